@@ -1,0 +1,1 @@
+"""margingate: an LLM inference engine."""

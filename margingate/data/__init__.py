@@ -1,0 +1,1 @@
+"""Prompt sets and loaders for margingate."""

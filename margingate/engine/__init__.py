@@ -1,0 +1,4 @@
+from .engine import Engine, EngineConfig
+from .sequence import Request, Result, Sequence
+
+__all__ = ["Engine", "EngineConfig", "Request", "Result", "Sequence"]

@@ -1,0 +1,175 @@
+"""The engine loop: admit -> prefill -> one batched decode step -> policies -> stream out."""
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from ..kv_cache import KVCache
+from ..models.llama import LlamaModel
+from .policy import Policy, VerifyJob
+from .runner import Runner
+from .scheduler import Scheduler
+from .sequence import Request, Result, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_size: int = 16      # decode rows per step = KV slots
+    max_model_len: int = 2048     # positions per slot (prompt + output)
+    num_threads: int | None = None  # torch CPU threads; None: all cores
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class StreamEvent:
+    request_id: str
+    token_ids: list[int]          # newly released tokens
+    finished: bool
+    result: Result | None = None
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, config: EngineConfig, default_policy: Callable[[], Policy]):
+        self.model, self.config = model, config
+        self.num_threads = config.num_threads or os.cpu_count() or 1
+        torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports
+        max_len = min(config.max_model_len, model.config.max_position)
+        mc = model.config
+        self.kv = KVCache(mc.num_layers, config.max_batch_size, max_len, mc.num_kv_heads, mc.head_dim,
+                          torch.bfloat16, model.device)
+        self.runner = Runner(model, self.kv)
+        self.scheduler = Scheduler(self.kv)
+        self.default_policy = default_policy
+        self.step_count = 0
+        self.counters: dict[str, float] = defaultdict(float)
+        self._finished: list[Sequence] = []
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    # --- requests ----------------------------------------------------------------
+    def add_request(self, request: Request) -> Sequence:
+        need = len(request.prompt_ids) + 1
+        if need > self.max_len:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens is longer than the context "
+                             f"({self.max_len} positions, room for at least one new token needed)")
+        if max(request.prompt_ids) >= self.model.config.vocab_size or min(request.prompt_ids) < 0:
+            raise ValueError("prompt token id out of the vocabulary range")
+        stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
+        seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop), kv=self.kv)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now (a client went away): frees its slot at once."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id == request_id:
+                self.scheduler.remove(seq)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the loop ------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Admit and prefill, decode one token for every running request; returns those that finished."""
+        self._finished = []
+        for seq in self.scheduler.admit():
+            t = time.perf_counter()
+            logits = self.runner.prefill(seq)
+            seq.canonical_len = seq.prompt_len
+            seq.output_ids.append(int(torch.argmax(logits)))
+            self._count("prefill", t, rows=seq.prompt_len)
+        self._stop_finished([s for s in self.scheduler.running if s.should_stop(self.max_len)])
+        batch = [s for s in self.scheduler.running if s.finish_reason is None]
+        if batch:
+            t = time.perf_counter()
+            logits = self.runner.decode(batch)
+            self._count("decode", t, rows=len(batch))
+            jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
+            verified = self._verify([j for j in jobs if j is not None])
+            for seq, row, job in zip(batch, logits, jobs):
+                seq.stats["steps"] += 1
+                seq.policy.commit(seq, row, verified.get(id(job)))
+            self._stop_finished([s for s in batch if s.should_stop(self.max_len)])
+        self.step_count += 1
+        return self._finished
+
+    def _verify(self, jobs: list[VerifyJob]) -> dict[int, torch.Tensor]:
+        if not jobs:
+            return {}
+        t = time.perf_counter()
+        out = self.runner.verify(jobs)
+        self._count("verify", t, rows=sum(j.end + 1 - j.start for j in jobs))
+        return {id(j): o for j, o in zip(jobs, out)}
+
+    def _stop_finished(self, stopping: list[Sequence]) -> None:
+        # A strict policy may re-check the tail and roll back; loop until every request settles.
+        while stopping:
+            jobs = {id(s): s.policy.finish_job(s) for s in stopping}
+            verified = self._verify([j for j in jobs.values() if j is not None])
+            still = []
+            for seq in stopping:
+                job = jobs[id(seq)]
+                if job is None or seq.policy.confirm_finish(seq, verified[id(job)]):
+                    seq.finish_reason = seq.should_stop(self.max_len) or "stop"
+                    self.scheduler.remove(seq)
+                    self._finished.append(seq)
+                elif seq.should_stop(self.max_len):
+                    still.append(seq)
+            stopping = still
+
+    def _count(self, kind: str, t0: float, rows: int) -> None:
+        self.counters[f"{kind}_calls"] += 1
+        self.counters[f"{kind}_rows"] += rows
+        self.counters[f"{kind}_seconds"] += time.perf_counter() - t0
+
+    # --- drivers -------------------------------------------------------------------
+    def result(self, seq: Sequence) -> Result:
+        stats = seq.policy.report(seq)
+        if stats.get("min_margin") == float("inf"):
+            stats["min_margin"] = None
+        return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
+                      seq.finish_reason or "aborted", stats)
+
+    def stream(self, requests: list[Request], progress: bool = False) -> Iterator[StreamEvent]:
+        """Run requests to completion, yielding tokens as their policies release them.
+
+        A request joins at engine step `arrival_step` (relative to this call), so
+        staggered arrivals replay exactly.
+        """
+        pending = sorted(requests, key=lambda r: r.arrival_step)
+        start, live = self.step_count, []
+        bar = tqdm(total=len(requests), desc="requests", disable=not progress, leave=False)
+        while pending or self.has_work:
+            while pending and pending[0].arrival_step <= self.step_count - start:
+                live.append(self.add_request(pending.pop(0)))
+            finished = self.step()
+            for seq in live:
+                done = seq in finished
+                n = len(seq.output_ids) if done else seq.policy.releasable(seq)
+                if n > seq.released or done:
+                    new = seq.output_ids[seq.released:n]
+                    seq.released = n
+                    yield StreamEvent(seq.request_id, new, done, self.result(seq) if done else None)
+            live = [s for s in live if s not in finished]
+            bar.update(len(finished))
+        bar.close()
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Result]:
+        results = {e.request_id: e.result for e in self.stream(requests, progress) if e.finished}
+        return [results[r.request_id] for r in requests]

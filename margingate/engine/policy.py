@@ -1,0 +1,63 @@
+"""The interface every determinism policy implements.
+
+A decode step reads: the runner computes logits for every running request
+(each row with the attention kernel its policy asks for), then each policy
+`propose`s: it may ask the verifier to recompute some of its positions. All
+those jobs run in one verifier pass, and each policy `commit`s: it appends the
+token(s), may overwrite K/V columns or roll back. When a request meets a stop
+condition its policy gets `finish_job` / `confirm_finish` (a strict policy
+re-checks the unverified tail there and may roll back, un-finishing it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass
+class VerifyJob:
+    """Recompute positions [start, end] of `seq` with the verifier's kernels.
+
+    The verifier writes the K/V of those positions (canonical columns) and
+    returns one logits row per position. `precision` is the verifier's compute dtype.
+    """
+    seq: Sequence
+    start: int
+    end: int
+    precision: torch.dtype = torch.bfloat16
+
+
+class Policy:
+    name = "base"
+    #: run this request's decode attention over exactly its own prefix (row-independent)
+    exact_attention = False
+
+    def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+        """Look at this step's fp32 logits. Return a job to verify, or None."""
+        return None
+
+    def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
+        """Append this step's token; `verified` holds the job's logits rows if a job ran."""
+        seq.output_ids.append(int(torch.argmax(logits)))
+
+    def finish_job(self, seq: Sequence) -> VerifyJob | None:
+        """A stop condition was met: return a job to re-check before finishing, or None."""
+        return None
+
+    def confirm_finish(self, seq: Sequence, verified: torch.Tensor) -> bool:
+        """After the finish job ran: True if the request really finishes."""
+        return True
+
+    def releasable(self, seq: Sequence) -> int:
+        """How many output tokens may be handed to the caller now (streaming)."""
+        return len(seq.output_ids)
+
+    def settings(self) -> dict[str, Any]:
+        return {}
+
+    def report(self, seq: Sequence) -> dict[str, Any]:
+        return {"policy": self.name, **self.settings(), **seq.stats}

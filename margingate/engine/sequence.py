@@ -1,0 +1,109 @@
+"""A request as the engine sees it, and what comes back."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..kv_cache import KVCache
+    from .policy import Policy
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """What a caller submits. `prompt_ids` are already tokenized."""
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    policy: "Policy | None" = None        # None: the engine's default policy
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS tokens
+    ignore_eos: bool = False
+    request_id: str | None = None
+    arrival_step: int = 0                  # for replayable staggered arrivals in `generate`
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("empty prompt: at least one prompt token is required")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.request_id is None:
+            self.request_id = f"req-{next(_ids)}"
+
+
+@dataclass
+class Result:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+@dataclass(eq=False)  # identity: two requests are never the same sequence
+class Sequence:
+    request: Request
+    policy: "Policy"
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    # positions [0, canonical_len) hold K/V written by the verifier's kernels
+    # (the prompt's, by the prefill, always do); see policies.margin.
+    canonical_len: int = 0
+    released: int = 0                      # output tokens already handed to the caller
+    finish_reason: str | None = None
+    kv: "KVCache | None" = None           # set by the engine: the cache holding this request's slot
+    pending: Any = None                    # a policy's scratch between propose and commit
+    stats: dict[str, Any] = field(default_factory=lambda: {
+        "steps": 0, "triggers": 0, "repairs": 0, "replayed_tokens": 0, "rollbacks": 0,
+        "min_margin": math.inf})
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def next_pos(self) -> int:
+        """Position of the newest token: the next decode step's input, whose K/V it writes."""
+        return self.num_tokens - 1
+
+    def token_at(self, pos: int) -> int:
+        p = self.prompt_len
+        return self.request.prompt_ids[pos] if pos < p else self.output_ids[pos - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end)."""
+        return [self.token_at(p) for p in range(start, end)]
+
+    def read_column(self, pos: int):
+        """This request's K/V at one position, every layer."""
+        return self.kv.read_column(self.slot, pos)
+
+    def write_column(self, pos: int, column) -> None:
+        self.kv.write_column(self.slot, pos, column)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (prompt included)."""
+        assert num_tokens > self.prompt_len, "the prompt is never rolled back"
+        del self.output_ids[num_tokens - self.prompt_len:]
+        self.canonical_len = min(self.canonical_len, num_tokens - 1)
+        self.released = min(self.released, len(self.output_ids))
+
+    def should_stop(self, max_len: int) -> str | None:
+        if self.output_ids and not self.request.ignore_eos and self.output_ids[-1] in self.stop_ids:
+            return "stop"
+        if len(self.output_ids) >= self.request.max_new_tokens:
+            return "length"
+        if self.num_tokens >= max_len:
+            return "context"
+        return None

@@ -1,0 +1,36 @@
+"""Attention kernels over the slot KV cache.
+
+Two decode kernels, with different promises:
+- `batched`: one SDPA call over every row of the batch, padded to the longest
+  row and masked. The structure of GPU serving engines; fast, but the padded
+  shape changes the reduction, so a row's output depends on its neighbours.
+- `exact`: one SDPA call per row over exactly that row's own prefix. Its
+  output is a function of the row alone: this is the verifier's kernel, and
+  what decoding alone runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one request's L prompt positions. q: [L, H, D]; k, v: [Hkv, L, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                         is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [L, H, D]
+
+
+def batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """One query per row. q: [B, H, D]; k, v: [B, Hkv, Lmax, D]; lengths: [B]."""
+    mask = None
+    if bool((lengths != k.shape[2]).any()):
+        mask = (torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query over its own prefix. q: [H, D]; k, v: [Hkv, L, D]."""
+    out = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)
+    return out[0, :, 0]

@@ -1,0 +1,49 @@
+"""Slot-based KV cache: one fixed-length row per running request.
+
+Positions are absolute, so rolling a request back is just lowering its length
+(the stale columns are overwritten by the next writes and never read: attention
+only ever looks at positions below a row's current length).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        # zeros, not empty: masked positions still enter the batched attention as 0 * v.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot
+
+    # --- slots ----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV slot")  # the scheduler checks num_free first
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    # --- writes ---------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, kv_heads, head_dim] for N (slot, position) pairs."""
+        self.k[layer, slots, :, positions] = k.to(self.k.dtype)
+        self.v[layer, slots, :, positions] = v.to(self.v.dtype)
+
+    # --- one column: one position of one request, every layer ------------------
+    def read_column(self, slot: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, slot, :, pos].clone(), self.v[:, slot, :, pos].clone()
+
+    def write_column(self, slot: int, pos: int, column: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.k[:, slot, :, pos] = column[0]
+        self.v[:, slot, :, pos] = column[1]

@@ -1,0 +1,67 @@
+"""The facade: load a model, build an engine, turn prompts into results."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .data.prompts import Prompt
+from .engine import Engine, EngineConfig, Request, Result
+from .engine.engine import StreamEvent
+from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
+from .models.llama import LlamaModel
+from .models.tokenizer import Tokenizer
+from .policies import DEFAULT_TAU, Policy, make_policy
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
+                 max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast"):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but no CUDA device is available")
+        self.folder = resolve_model_dir(model)
+        self.model_name = model
+        self.config = load_config(self.folder)
+        self.tokenizer = Tokenizer(self.folder)
+        self.model = LlamaModel(self.config, load_state_dict(self.folder), device)
+        self.default_tau = DEFAULT_TAU
+        self.default_policy = self.policy(policy)
+        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads),
+                             lambda: self.default_policy)
+
+    def policy(self, name: str, **options) -> Policy:
+        return make_policy(name, default_tau=self.default_tau, **options)
+
+    def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
+                 ignore_eos: bool = False) -> list[Request]:
+        return [Request(self.tokenizer.encode_prompt(p), max_new_tokens, policy, ignore_eos=ignore_eos,
+                        request_id=f"p{i}") for i, p in enumerate(prompts)]
+
+    def generate(self, prompts: list[Prompt], *, progress: bool = False, **kw) -> list[Completion]:
+        results = self.engine.generate(self.requests(prompts, **kw), progress=progress)
+        return [self.completion(i, r) for i, r in enumerate(results)]
+
+    def stream(self, requests: list[Request]) -> Iterator[StreamEvent]:
+        return self.engine.stream(requests)
+
+    def completion(self, index: int, result: Result) -> Completion:
+        return Completion(index, result.token_ids, self.tokenizer.decode(result.token_ids),
+                          result.finish_reason, result.stats)
+
+    def environment(self) -> dict:
+        """What the determinism contract depends on besides the request: record it in every report."""
+        return {"model": self.model_name, "model_fingerprint": self.config.fingerprint(),
+                "device": str(self.model.device), "torch": torch.__version__,
+                "num_threads": self.engine.num_threads, "machine": platform.machine(),
+                "python": platform.python_version()}

@@ -1,0 +1,28 @@
+"""Determinism policies, by name. Each is a small object behind `engine.policy.Policy`."""
+from __future__ import annotations
+
+from ..engine.policy import Policy
+from .fast import FastPolicy
+from .margin import DEFAULT_TAU, REPAIRS, MarginPolicy, VerifyAllPolicy, parse_tau
+from .reference import ReferencePolicy
+
+POLICIES = {"fast": FastPolicy, "reference": ReferencePolicy, "margin": MarginPolicy,
+            "verify-all": VerifyAllPolicy}
+
+
+def make_policy(name: str, *, tau: float | None = None, repair: str = "replay",
+                precision: str = "bf16", strict: bool = True, default_tau: float = DEFAULT_TAU) -> Policy:
+    """Build a policy from user-facing options; options a policy does not use are ignored."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    if tau is not None:
+        parse_tau(tau)  # a bad tau is refused whatever the policy
+    if name == "margin":
+        return MarginPolicy(default_tau if tau is None else tau, repair, precision, strict)
+    if name in ("reference", "verify-all"):
+        return POLICIES[name](precision=precision)
+    return POLICIES[name]()
+
+
+__all__ = ["POLICIES", "REPAIRS", "DEFAULT_TAU", "Policy", "make_policy", "FastPolicy", "MarginPolicy",
+           "ReferencePolicy", "VerifyAllPolicy"]

@@ -1,0 +1,42 @@
+"""`reference`: the request decoded as if alone, through the verifier's kernels at every step.
+
+Its rows attend over exactly their own prefix inside the shared batch; with
+row-invariant GEMMs that is bitwise what decoding alone computes. In fp32 the
+verifier itself recomputes every step (a fp32 pass cannot share the bf16 forward).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.policy import Policy, VerifyJob
+from ..engine.sequence import Sequence
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_precision(name: str) -> torch.dtype:
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown verifier precision {name!r} (choose from {', '.join(PRECISIONS)})")
+    return PRECISIONS[name]
+
+
+class ReferencePolicy(Policy):
+    name = "reference"
+
+    def __init__(self, precision: str = "bf16"):
+        self.precision = parse_precision(precision)
+        self.precision_name = precision
+        self.exact_attention = self.precision == torch.bfloat16
+
+    def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+        if self.exact_attention:
+            return None
+        return VerifyJob(seq, seq.next_pos, seq.next_pos, self.precision)
+
+    def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
+        row = logits if verified is None else verified[-1]
+        seq.output_ids.append(int(torch.argmax(row)))
+        seq.canonical_len = seq.next_pos
+
+    def settings(self) -> dict:
+        return {"verifier_precision": self.precision_name}
