@@ -46,7 +46,7 @@ class Engine:
         torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports
         max_len = min(config.max_model_len, model.config.max_position)
         mc = model.config
-        self.kv = KVCache(mc.num_layers, config.max_batch_size, max_len, mc.num_kv_heads, mc.head_dim,
+        self.kv = KVCache(mc.num_layers, config.max_batch_size + 1, max_len, mc.num_kv_heads, mc.head_dim,
                           torch.bfloat16, model.device)
         self.runner = Runner(model, self.kv)
         self.scheduler = Scheduler(self.kv)
@@ -114,7 +114,7 @@ class Engine:
             return {}
         t = time.perf_counter()
         out = self.runner.verify(jobs)
-        self._count("verify", t, rows=sum(j.end + 1 - j.start for j in jobs))
+        self._count("verify", t, rows=sum(j.rows for j in jobs))
         return {id(j): o for j, o in zip(jobs, out)}
 
     def _stop_finished(self, stopping: list[Sequence]) -> None:

@@ -24,17 +24,27 @@ class VerifyJob:
 
     The verifier writes the K/V of those positions (canonical columns) and
     returns one logits row per position. `precision` is the verifier's compute dtype.
+    `pad_to` fixes the pass's shape (LLM-42): the job is padded to that many rows
+    and grouped with up to `group` jobs, padding the group with dummy jobs.
     """
     seq: Sequence
     start: int
     end: int
     precision: torch.dtype = torch.bfloat16
+    pad_to: int | None = None
+    group: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.end + 1 - self.start
 
 
 class Policy:
     name = "base"
     #: run this request's decode attention over exactly its own prefix (row-independent)
     exact_attention = False
+    #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
+    compute_dtype = torch.bfloat16
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         """Look at this step's fp32 logits. Return a job to verify, or None."""

@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 from ..engine.policy import Policy
+from .batch_invariant import BatchInvariantPolicy
+from .dvr import DEFAULT_GROUP, DEFAULT_WINDOW, DVRPolicy
 from .fast import FastPolicy
-from .margin import DEFAULT_TAU, REPAIRS, MarginPolicy, VerifyAllPolicy, parse_tau
+from .layercast import LayerCastPolicy
+from .margin import DEFAULT_TAU, MarginPolicy, VerifyAllPolicy, parse_tau
 from .reference import ReferencePolicy
+from .verifying import REPAIRS
 
 POLICIES = {"fast": FastPolicy, "reference": ReferencePolicy, "margin": MarginPolicy,
-            "verify-all": VerifyAllPolicy}
+            "verify-all": VerifyAllPolicy, "dvr": DVRPolicy, "batch-invariant": BatchInvariantPolicy,
+            "layercast": LayerCastPolicy}
 
 
 def make_policy(name: str, *, tau: float | None = None, repair: str = "replay",
-                precision: str = "bf16", strict: bool = True, default_tau: float = DEFAULT_TAU) -> Policy:
+                precision: str = "bf16", strict: bool = True, window: int = DEFAULT_WINDOW,
+                group: int = DEFAULT_GROUP, default_tau: float = DEFAULT_TAU) -> Policy:
     """Build a policy from user-facing options; options a policy does not use are ignored."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -19,10 +25,12 @@ def make_policy(name: str, *, tau: float | None = None, repair: str = "replay",
         parse_tau(tau)  # a bad tau is refused whatever the policy
     if name == "margin":
         return MarginPolicy(default_tau if tau is None else tau, repair, precision, strict)
+    if name == "dvr":
+        return DVRPolicy(window, group, precision)
     if name in ("reference", "verify-all"):
         return POLICIES[name](precision=precision)
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "REPAIRS", "DEFAULT_TAU", "Policy", "make_policy", "FastPolicy", "MarginPolicy",
-           "ReferencePolicy", "VerifyAllPolicy"]
+__all__ = ["POLICIES", "REPAIRS", "DEFAULT_TAU", "DEFAULT_WINDOW", "DEFAULT_GROUP", "Policy", "make_policy", "BatchInvariantPolicy",
+           "DVRPolicy", "FastPolicy", "LayerCastPolicy", "MarginPolicy", "ReferencePolicy", "VerifyAllPolicy"]

@@ -1,0 +1,48 @@
+"""`dvr`: LLM-42's decode-verify-rollback.
+
+Decode `window` tokens on the fast path, then verify the whole window in one
+replay pass of fixed shape (each job padded to `window` rows, up to `group`
+requests per pass, the group padded with dummy jobs), accept the matching
+prefix plus the verifier's next token, roll back the rest. Only verified tokens
+are released. It is the `replay` repair with the gate "the window is full"
+instead of "the margin is small".
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.sequence import Sequence
+from .verifying import VerifyingPolicy
+
+DEFAULT_WINDOW = 16
+DEFAULT_GROUP = 4
+
+
+class DVRPolicy(VerifyingPolicy):
+    name = "dvr"
+
+    def __init__(self, window: int = DEFAULT_WINDOW, group: int = DEFAULT_GROUP, precision: str = "bf16", **_):
+        super().__init__("replay", precision, strict=True)
+        for label, value in (("window", window), ("group", group)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"dvr {label} must be a positive integer, got {value!r}")
+        self.window, self.group = window, group
+        self.pad_to = window
+
+    def settings(self) -> dict:
+        return {"window": self.window, "group": self.group, "verifier_precision": self.precision_name}
+
+    def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        return seq.next_pos + 1 - seq.canonical_len >= self.window
+
+    def propose(self, seq, logits):
+        job = super().propose(seq, logits)
+        if job is not None:
+            job.group = self.group
+        return job
+
+    def finish_job(self, seq):
+        job = super().finish_job(seq)
+        if job is not None:
+            job.group = self.group
+        return job
