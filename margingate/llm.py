@@ -14,6 +14,7 @@ from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_
 from .models.llama import LlamaModel
 from .models.tokenizer import Tokenizer
 from .policies import DEFAULT_TAU, Policy, make_policy
+from .profiles import load_profile
 
 
 @dataclass
@@ -35,7 +36,8 @@ class LLM:
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
         self.model = LlamaModel(self.config, load_state_dict(self.folder), device)
-        self.default_tau = DEFAULT_TAU
+        self.profile = load_profile(self.config)
+        self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads),
                              lambda: self.default_policy)
@@ -63,5 +65,6 @@ class LLM:
         """What the determinism contract depends on besides the request: record it in every report."""
         return {"model": self.model_name, "model_fingerprint": self.config.fingerprint(),
                 "device": str(self.model.device), "torch": torch.__version__,
-                "num_threads": self.engine.num_threads, "machine": platform.machine(),
+                "num_threads": self.engine.num_threads, "default_tau": self.default_tau,
+                "tau_source": "profile" if self.profile else "built-in default", "machine": platform.machine(),
                 "python": platform.python_version()}

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
+from . import sampler
 from .policy import Policy, VerifyJob
 from .runner import Runner
 from .scheduler import Scheduler
@@ -90,7 +91,7 @@ class Engine:
         self._finished = []
         for seq in self.scheduler.admit():
             t = time.perf_counter()
-            logits = self.runner.prefill(seq)
+            logits = sampler.scores(seq, self.runner.prefill(seq), seq.prompt_len)
             seq.canonical_len = seq.prompt_len
             seq.output_ids.append(int(torch.argmax(logits)))
             self._count("prefill", t, rows=seq.prompt_len)
@@ -99,6 +100,7 @@ class Engine:
         if batch:
             t = time.perf_counter()
             logits = self.runner.decode(batch)
+            logits = torch.stack([sampler.scores(s, row, s.next_pos + 1) for s, row in zip(batch, logits)])
             self._count("decode", t, rows=len(batch))
             jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
             verified = self._verify([j for j in jobs if j is not None])
@@ -113,7 +115,7 @@ class Engine:
         if not jobs:
             return {}
         t = time.perf_counter()
-        out = self.runner.verify(jobs)
+        out = [sampler.scores(j.seq, rows, j.start + 1) for j, rows in zip(jobs, self.runner.verify(jobs))]
         self._count("verify", t, rows=sum(j.rows for j in jobs))
         return {id(j): o for j, o in zip(jobs, out)}
 

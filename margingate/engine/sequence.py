@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,15 @@ class Request:
     ignore_eos: bool = False
     request_id: str | None = None
     arrival_step: int = 0                  # for replayable staggered arrivals in `generate`
+    temperature: float = 0.0               # 0: greedy; > 0: Gumbel-max sampling keyed by `seed`
+    seed: int | None = None
 
     def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > 0 and self.seed is None:
+            self.seed = int.from_bytes(os.urandom(7), "little")  # sampling still works, unreproducibly
         if not self.prompt_ids:
             raise ValueError("empty prompt: at least one prompt token is required")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
