@@ -133,6 +133,16 @@ def cmd_demo(args) -> None:
     run_demo(_llm(args, 8), max_new_tokens=args.max_new_tokens)
 
 
+class Common:
+    """Helpers the registered subcommands share with the ones above."""
+    add_model_args = staticmethod(_add_model_args)
+    add_policy_args = staticmethod(_add_policy_args)
+    prompts = staticmethod(_prompts)
+    llm = staticmethod(_llm)
+    policy_factory = staticmethod(_policy_factory)
+    int_list = staticmethod(_int_list)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="margingate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=96)
     _add_model_args(d)
     d.set_defaults(func=cmd_demo)
+
+    # Subcommands defined beside their code: each module has add_parser(sub, common).
+    # --- registered subcommands (one line each) ---
+    # --- end registered subcommands ---
     return parser
 
 
