@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined beside their code: each module has add_parser(sub, common).
     # --- registered subcommands (one line each) ---
+    from .server.cli import add_parser as _serve; _serve(sub, Common)  # noqa: E702
+    from .analysis.bench import add_parser as _bench; _bench(sub, Common)  # noqa: E702
+    from .analysis.flips import add_parser as _flips; _flips(sub, Common)  # noqa: E702
+    from .analysis.calibrate import add_parser as _calibrate; _calibrate(sub, Common)  # noqa: E702
     # --- end registered subcommands ---
     return parser
 

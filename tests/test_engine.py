@@ -70,12 +70,19 @@ def test_fresh_processes_agree(llm, prompts):
     give identical tokens, and the environment records the thread count used."""
     threads = llm.engine.num_threads
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-c", SCRIPT, str(threads)]
+    if 2 * threads <= (os.cpu_count() or 1):  # room for both at once
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        outs = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    else:
+        outs = [((p.stdout, p.stderr), p.returncode) for p in
+                (subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                 for _ in range(2))]
     runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(threads)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for (stdout, stderr), code in outs:
+        assert code == 0, stderr[-3000:]
+        runs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert all(len(t) == 16 for t in runs[0]["tokens"])
     assert runs[0]["env"] == runs[1]["env"]
@@ -235,14 +242,14 @@ def test_margin_batch_equals_reference(llm, prompts, ref):
 
 
 def test_mixed_fast_and_margin_batch(llm, ids, ref):
-    """Half the batch "fast", half "margin": the fast requests are bitwise those of an
+    """Half the batch "fast", half "margin" (32 tokens): the fast requests are bitwise those of an
     all-fast run of the same batch (protection does not disturb the neighbours), and
     the margin requests equal their references."""
     fast, margin = make_policy("fast"), make_policy("margin")
     mixed_policy = [fast if k % 2 == 0 else margin for k in range(len(HET8))]
 
     def run(policies):
-        reqs = [Request(ids[i], max_new_tokens=64, policy=p, ignore_eos=True, request_id=f"m{i}")
+        reqs = [Request(ids[i], max_new_tokens=32, policy=p, ignore_eos=True, request_id=f"m{i}")
                 for i, p in zip(HET8, policies)]
         return llm.engine.generate(reqs)
 
@@ -252,9 +259,9 @@ def test_mixed_fast_and_margin_batch(llm, ids, ref):
         if p is fast:
             assert m.token_ids == f.token_ids, f"fast prompt {i} changed by its protected neighbours"
         else:
-            assert m.token_ids == ref[i].token_ids, f"margin prompt {i}"
-    # not vacuous: the fast requests are not simply equal to their references
-    assert any(m.token_ids != ref[i].token_ids for i, p, m in zip(HET8, mixed_policy, mixed) if p is fast)
+            assert m.token_ids == ref[i].token_ids[:32], f"margin prompt {i}"
+    # not vacuous: fast requests do flip here (observed: 3 of the 4, from step 6 on)
+    assert any(m.token_ids != ref[i].token_ids[:32] for i, p, m in zip(HET8, mixed_policy, mixed) if p is fast)
 
 
 # --- bad inputs ------------------------------------------------------------------------

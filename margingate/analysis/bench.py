@@ -1,0 +1,258 @@
+"""`margingate bench`: what does determinism cost, policy by policy, measured together.
+
+One workload (prompts, output length, batch size) runs under every policy in the
+same process, interleaved repetition by repetition so machine noise hits all of
+them alike. Every request decodes exactly `max_new_tokens` (EOS ignored), so
+all policies do the same amount of work; each output is compared with the
+reference (each prompt decoded alone by the verifier) for sequence determinism.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine import Request
+from ..llm import LLM
+from .compare import Judgement
+
+# name -> (policy name, options); "protected" requests get it, the rest run `fast`.
+VARIANTS = {
+    "fast": ("fast", {}),
+    "batch-invariant": ("batch-invariant", {}),
+    "batch-invariant-global": ("batch-invariant", {}),  # every request of the batch, protected or not
+    "layercast": ("layercast", {}),
+    "dvr": ("dvr", {}),
+    "verify-all": ("verify-all", {}),
+    "margin": ("margin", {}),
+    "margin-column": ("margin", {"repair": "column"}),
+}
+DEFAULT_VARIANTS = list(VARIANTS)
+
+
+@dataclass
+class Workload:
+    prompt_ids: list[list[int]]
+    max_new_tokens: int
+    batch_size: int
+    protected: float = 1.0  # share of requests that get the policy (LLM-42's offline figure)
+
+    def protected_mask(self) -> list[bool]:
+        n = len(self.prompt_ids)
+        k = max(1, round(self.protected * n)) if self.protected > 0 else 0
+        step = n / k if k else 0
+        chosen = {int(i * step) for i in range(k)}  # spread over the batches
+        return [i in chosen for i in range(n)]
+
+
+class Bench:
+    def __init__(self, llm: LLM, progress: bool = True):
+        self.llm, self.progress = llm, progress
+        self._reference: dict[tuple, list[int]] = {}
+
+    def reference(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(ids), max_new_tokens)
+        if key not in self._reference:
+            req = Request(ids, max_new_tokens, self.llm.policy("reference"), ignore_eos=True)
+            self._reference[key] = self.llm.engine.generate([req])[0].token_ids
+        return self._reference[key]
+
+    def run_once(self, variant: str, w: Workload) -> dict:
+        name, opts = VARIANTS[variant]
+        mask = w.protected_mask() if variant != "batch-invariant-global" else [True] * len(w.prompt_ids)
+        reqs = [Request(ids, w.max_new_tokens, self.llm.policy(name if p else "fast", **opts),
+                        ignore_eos=True, request_id=f"b{i}") for i, (ids, p) in enumerate(zip(w.prompt_ids, mask))]
+        engine = self.llm.engine
+        assert engine.config.max_batch_size == w.batch_size
+        t = time.perf_counter()
+        results = engine.generate(reqs)
+        seconds = time.perf_counter() - t
+        protected = [(r, ids) for r, ids, p in zip(results, w.prompt_ids, mask) if p]
+        same = [r.token_ids == self.reference(ids, w.max_new_tokens) for r, ids in protected]
+        steps = sum(r.stats["steps"] for r, _ in protected)
+        total = lambda k: sum(r.stats.get(k, 0) for r, _ in protected)  # noqa: E731
+        tokens = sum(len(r.token_ids) for r in results)
+        flips = sum(not Judgement.of(self.reference(ids, w.max_new_tokens), r.token_ids).identical
+                    for r, ids in protected)
+        return {"seconds": seconds, "tokens": tokens,
+                "sequence_determinism": sum(same) / len(same) if same else None, "diverged": flips,
+                "protected_requests": len(protected), "decode_steps": steps,
+                "trigger_rate": total("triggers") / steps if steps else None,
+                "repair_rate": total("repairs") / steps if steps else None,
+                "replayed_tokens": total("replayed_tokens"), "rollbacks": total("rollbacks"),
+                "discarded_tokens": total("discarded_tokens")}
+
+    def compare(self, variants: list[str], w: Workload, repeats: int, warmup: int) -> dict:
+        """Run every variant `warmup + repeats` times, interleaved; summarise per variant."""
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for ids in tqdm(w.prompt_ids, desc="reference (alone)", disable=not self.progress, leave=False):
+            self.reference(ids, w.max_new_tokens)
+        total = (warmup + repeats) * len(variants)
+        bar = tqdm(total=total, desc=f"bench B={w.batch_size} protected={w.protected:.0%}",
+                   disable=not self.progress, leave=False)
+        for rep in range(warmup + repeats):
+            for v in variants:
+                out = self.run_once(v, w)
+                if rep >= warmup:
+                    runs[v].append(out)
+                bar.update()
+        bar.close()
+        return summarise(runs, w)
+
+
+def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
+    out = {}
+    for v, rs in runs.items():
+        secs = [r["seconds"] for r in rs]
+        med = statistics.median(secs)
+        last = rs[-1]
+        out[v] = {"seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs),
+                  "tokens_per_s": last["tokens"] / med,
+                  "ms_per_token_per_request": 1000 * med / (w.max_new_tokens * -(-len(w.prompt_ids) // w.batch_size)),
+                  **{k: last[k] for k in ("sequence_determinism", "diverged", "protected_requests", "decode_steps",
+                                          "trigger_rate", "repair_rate", "replayed_tokens", "rollbacks",
+                                          "discarded_tokens")}}
+    if "fast" in out:
+        base = out["fast"]["seconds_median"]
+        for v in out:
+            out[v]["overhead"] = out[v]["seconds_median"] / base - 1
+        inc = lambda v: out[v]["seconds_median"] - base  # noqa: E731
+        if "margin" in out and inc("margin") > 0:
+            for v in ("dvr", "verify-all"):
+                if v in out:
+                    out[v]["increment_ratio_over_margin"] = inc(v) / inc("margin")
+    return out
+
+
+def format_table(title: str, summary: dict) -> str:
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    head = ("| policy | time s (median, min-max) | tok/s | overhead | seq. det. | trigger | repair | "
+            "replayed | rollbacks | incr. / margin |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 10]
+    for v, r in summary.items():
+        inc = r.get("increment_ratio_over_margin")
+        lines.append(f"| {v} | {r['seconds_median']:.2f} ({r['seconds_min']:.2f}-{r['seconds_max']:.2f}) | "
+                     f"{r['tokens_per_s']:.1f} | {pct(r.get('overhead'))} | {pct(r['sequence_determinism'])} | "
+                     f"{pct(r['trigger_rate'])} | {pct(r['repair_rate'])} | {r['replayed_tokens']} | "
+                     f"{r['rollbacks']} | {'-' if inc is None else f'{inc:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, summary in report["main"].items():
+        fig, ax = plt.subplots(figsize=(8, 4))
+        names = list(summary)
+        ax.bar(names, [100 * summary[n].get("overhead", 0) for n in names],
+               color=["#999" if n == "fast" else "#c44" if (summary[n]["sequence_determinism"] or 0) < 1 else "#4a4"
+                      for n in names])
+        ax.set_ylabel("time overhead over fast (%)")
+        ax.set_title(f"{key}: green = 100% sequence determinism, red = not")
+        ax.tick_params(axis="x", rotation=30)
+        fig.tight_layout()
+        p = out / f"overhead_{key}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    if report.get("protected_sweep"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        sweep = report["protected_sweep"]
+        shares = sorted(sweep, key=float)
+        for v in next(iter(sweep.values())):
+            if v == "fast":
+                continue
+            ax.plot([100 * float(s) for s in shares], [100 * sweep[s][v]["overhead"] for s in shares], "o-", label=v)
+        ax.set_xlabel("protected requests (%)")
+        ax.set_ylabel("overhead over fast (%)")
+        ax.legend()
+        fig.tight_layout()
+        p = out / "protected_sweep.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
+              max_new_tokens: int, repeats: int, warmup: int, protected_shares: list[float],
+              out: Path | None, progress: bool = True) -> dict:
+    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts_ids), "repeats": repeats,
+              "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {}}
+    for b in batch_sizes:
+        llm = llm_factory(b)
+        report["environment"] = llm.environment()
+        bench = Bench(llm, progress)
+        report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup)
+        if protected_shares and b == max(batch_sizes):
+            sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
+            for share in protected_shares:
+                w = Workload(prompts_ids, max_new_tokens, b, protected=share)
+                report["protected_sweep"][str(share)] = bench.compare(sweep_variants, w, repeats, warmup)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(markdown(report))
+        report["plots"] = [str(p) for p in plot(report, out)]
+    return report
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment", {})
+    parts = [f"# margingate bench\n\n{report['prompts']} prompts x {report['max_new_tokens']} tokens (EOS ignored), "
+             f"median of {report['repeats']} after {report['warmup']} warm-up; {env.get('model')} on "
+             f"{env.get('device')}, torch {env.get('torch')}, {env.get('num_threads')} threads.\n"]
+    for key, summary in report["main"].items():
+        parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
+    for share, summary in report.get("protected_sweep", {}).items():
+        parts.append(format_table(f"protected share {float(share):.0%} (the rest: fast)", summary))
+    return "\n\n".join(parts) + "\n"
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("bench", help="every policy side by side on one workload, in one run")
+    p.add_argument("--prompts-file", help="JSON lines (default: the built-in prompts)")
+    p.add_argument("--limit", type=int, default=32, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=common.int_list, default=[8, 16])
+    p.add_argument("--policies", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--protected", default="", help="protected-share sweep at the largest batch, e.g. 0.1,0.5,1")
+    p.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up")
+    p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
+    p.add_argument("--json", action="store_true")
+    common.add_model_args(p)
+    p.set_defaults(func=lambda args: _cmd(args, common))
+
+
+def _cmd(args, common) -> None:
+    variants = [v.strip() for v in args.policies.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown bench policy {bad[0]!r} (choose from {', '.join(VARIANTS)})")
+    if args.quick:
+        args.limit, args.max_new_tokens, args.batch_sizes, args.repeats, args.warmup = 8, 32, [8], 1, 0
+    shares = [float(x) for x in args.protected.split(",") if x.strip()]
+    if any(not 0 < s <= 1 for s in shares):
+        raise ValueError("--protected shares must be in (0, 1]")
+    prompts = common.prompts(args)
+    cache = {}
+
+    def factory(b):
+        if b not in cache:
+            cache.clear()
+            cache[b] = common.llm(args, b)
+        return cache[b]
+
+    ids = [factory(max(args.batch_sizes)).tokenizer.encode_prompt(p) for p in prompts]
+    report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
+                       shares, Path(args.out) if args.out else None, progress=not args.json)
+    print(json.dumps(report) if args.json else markdown(report))

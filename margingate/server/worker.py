@@ -1,0 +1,305 @@
+"""The engine thread: the only code that touches the engine while the server runs.
+
+HTTP handlers (on the asyncio loop) talk to it through a thread-safe inbox
+(submit / abort) and get events back on a per-request asyncio.Queue, posted
+with loop.call_soon_threadsafe. One loop, so requests from every connection
+share each decode step (continuous batching).
+
+Events posted to a request's queue, in order:
+    ("accepted", None)            the engine took the request (or ("error", (status, message)))
+    ("tokens", [ids])             newly released tokens (only what the policy releases)
+    ("done", Result)              the last event of a request that ran
+    ("error", (status, message))  the request failed; nothing follows
+
+Failure isolation: a request the engine refuses gets a 400 and nothing else
+changes; if a step raises, the requests that were in the step fail with 500,
+are removed from the engine (their KV slots freed) and the loop goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import Engine, Request, Result
+from .metrics import BATCH_BUCKETS, Metrics
+
+log = logging.getLogger("margingate.server")
+
+
+class QueueFull(Exception):
+    """Too many requests in flight: the caller should retry later (429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: no new requests (503)."""
+
+
+@dataclass(eq=False)
+class Handle:
+    """One submitted request, as the HTTP side sees it."""
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float = field(default_factory=time.perf_counter)
+    seq: Any = None                     # the engine's Sequence, once added (engine thread only)
+    first_token: float | None = None
+    admitted: bool = False
+    closed: bool = False                # the last event was posted
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = 64,
+                 idle_poll_s: float = 0.05):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.max_queue = max_queue
+        self.capacity = engine.config.max_batch_size + max_queue  # running + waiting
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0                 # submitted and not yet closed (guarded by _lock)
+        self._handles: dict[str, Handle] = {}  # engine thread only
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="margingate-engine", daemon=True)
+        self.waiting = 0                    # snapshots for gauges / health (written by the engine thread)
+        self.running = 0
+        self.last_error: str | None = None
+
+    # --- lifecycle (any thread) ----------------------------------------------------
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queue_length(self) -> int:
+        """Requests accepted but not yet holding a KV slot."""
+        return max(0, self._in_flight - self.running)
+
+    def drain(self, grace_s: float) -> None:
+        """Begin a graceful shutdown (SIGTERM): refuse new requests (503) at once, let in-flight ones
+        finish for up to grace_s, then fail what is left with a 503 (streams get an error event)."""
+        if not self._accepting:
+            return
+        self._accepting = False
+
+        def fail_late():
+            deadline = time.monotonic() + grace_s
+            while self._in_flight and time.monotonic() < deadline and self.alive:
+                time.sleep(0.05)
+            if self._in_flight and self.alive:
+                self._inbox.put(("fail_all", (503, f"the server is shutting down (in-flight requests get "
+                                                  f"{grace_s:g} s to finish)")))
+
+        threading.Thread(target=fail_late, name="margingate-drain", daemon=True).start()
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to grace_s, fail the rest (503)."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline and self.alive:
+            time.sleep(0.05)
+        self._inbox.put(("stop", None))
+        self._stop.set()
+        if self.alive:
+            self._thread.join(timeout=max(5.0, grace_s))
+        if not self.alive:  # requests still in the inbox (or a thread that never started)
+            self._fail_all(503, "the server is shutting down", inbox=True)
+
+    # --- the HTTP side (event loop thread) -----------------------------------------
+    def submit(self, request: Request) -> Handle:
+        """Queue a request for the engine; raises QueueFull or ShuttingDown. Call from the event loop."""
+        if not self._accepting or self._stop.is_set() or not self.alive:
+            raise ShuttingDown("the server is shutting down" if not self._accepting or self._stop.is_set()
+                               else "the engine thread is not running")
+        with self._lock:
+            if self._in_flight >= self.capacity:
+                raise QueueFull(f"{self._in_flight} requests in flight (capacity {self.capacity}: "
+                                f"{self.engine.config.max_batch_size} running + {self.max_queue} queued)")
+            self._in_flight += 1
+        handle = Handle(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", handle))
+        return handle
+
+    def abort(self, handle: Handle, reason: str = "aborted") -> None:
+        """The caller is done with this request (client gone, stop string): free its slot now."""
+        if not handle.closed:
+            self._inbox.put(("abort", (handle, reason)))
+
+    # --- the engine thread -----------------------------------------------------------
+    def _post(self, handle: Handle, kind: str, payload: Any = None) -> None:
+        if handle.closed:
+            return
+        if kind in ("done", "error"):
+            handle.closed = True
+            with self._lock:
+                self._in_flight -= 1
+            self._handles.pop(handle.request_id, None)
+        try:
+            handle.loop.call_soon_threadsafe(handle.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
+            pass
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain_inbox(block=not self.engine.has_work):
+                    break
+                if self.engine.has_work:
+                    self._step()
+                self.waiting = len(self.engine.scheduler.waiting)
+                self.running = len(self.engine.scheduler.running)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("engine loop error (continuing): %s", traceback.format_exc())
+                time.sleep(0.01)
+        self._fail_all(503, "the server is shutting down", inbox=True)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every pending command; False when told to stop."""
+        try:
+            cmd = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return not self._stop.is_set()
+        while True:
+            kind, arg = cmd
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                self._abort(*arg)
+            elif kind == "fail_all":
+                self._fail_all(*arg)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, handle: Handle) -> None:
+        try:
+            handle.seq = self.engine.add_request(handle.request)
+        except ValueError as exc:
+            self.metrics.inc("requests_rejected_total", reason="invalid")
+            self._post(handle, "error", (400, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.error("add_request failed: %s", traceback.format_exc())
+            self._post(handle, "error", (500, f"the engine could not take the request: {exc}"))
+            return
+        self._handles[handle.request_id] = handle
+        self.metrics.inc("prompt_tokens_total", len(handle.request.prompt_ids))
+        self._post(handle, "accepted")
+
+    def _abort(self, handle: Handle, reason: str) -> None:
+        if handle.closed:
+            return
+        self.engine.abort(handle.request_id)
+        if reason == "disconnect":
+            self.metrics.inc("client_disconnects_total")
+        result = self.engine.result(handle.seq) if handle.seq is not None else None
+        if result is not None:
+            result.finish_reason = reason
+            self._account(handle, result)
+            self._post(handle, "done", result)
+        else:
+            self._post(handle, "error", (499, "aborted"))
+
+    def _step(self) -> None:
+        rows_before = self.engine.counters["decode_rows"]
+        secs_before = {k: self.engine.counters[f"{k}_seconds"] for k in ("prefill", "decode", "verify")}
+        try:
+            finished = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+            self._fail_step(exc)
+            return
+        self.metrics.inc("engine_steps_total")
+        rows = self.engine.counters["decode_rows"] - rows_before
+        if rows:
+            self.metrics.observe("batch_size", rows, BATCH_BUCKETS)
+        for k, before in secs_before.items():
+            self.metrics.inc("engine_seconds_total", self.engine.counters[f"{k}_seconds"] - before, phase=k)
+        self._publish(set(finished))
+
+    def _publish(self, finished: set) -> None:
+        now = time.perf_counter()
+        for handle in list(self._handles.values()):
+            seq = handle.seq
+            try:
+                if not handle.admitted and seq.slot is not None:
+                    handle.admitted = True
+                    self.metrics.observe("queue_wait_seconds", now - handle.submitted)
+                done = seq in finished
+                n = len(seq.output_ids) if done else seq.policy.releasable(seq)
+                if n > seq.released:
+                    new = seq.output_ids[seq.released:n]
+                    seq.released = n
+                    if handle.first_token is None:
+                        handle.first_token = now
+                        self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
+                    self.metrics.inc("generation_tokens_total", len(new))
+                    self._post(handle, "tokens", new)
+                if done:
+                    result = self.engine.result(seq)
+                    self._account(handle, result)
+                    self._post(handle, "done", result)
+            except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+                log.error("request %s failed: %s", handle.request_id, traceback.format_exc())
+                self.engine.abort(handle.request_id)
+                self._post(handle, "error", (500, f"internal error in request {handle.request_id}: {exc}"))
+
+    def _account(self, handle: Handle, result: Result) -> None:
+        m, stats = self.metrics, result.stats
+        policy = str(stats.get("policy", "?"))
+        m.inc("requests_finished_total", policy=policy, finish_reason=result.finish_reason)
+        m.observe("request_latency_seconds", time.perf_counter() - handle.submitted)
+        for key, name in (("triggers", "determinism_triggers_total"), ("repairs", "determinism_repairs_total"),
+                          ("rollbacks", "determinism_rollbacks_total"),
+                          ("replayed_tokens", "determinism_replayed_tokens_total")):
+            m.inc(name, float(stats.get(key, 0) or 0), policy=policy)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """engine.step raised: fail every request that was in it, free their slots, go on."""
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("engine step failed; failing its requests: %s", traceback.format_exc())
+        self.metrics.inc("engine_step_errors_total")
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq.request_id)
+            handle = self._handles.get(seq.request_id)
+            if handle is not None:
+                self._post(handle, "error", (500, f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_all(self, status: int, message: str, inbox: bool = False) -> None:
+        for handle in list(self._handles.values()):
+            try:
+                self.engine.abort(handle.request_id)
+            except Exception:  # noqa: BLE001
+                pass
+            self._post(handle, "error", (status, message))
+        while inbox:  # requests submitted but never added
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._post(arg, "error", (status, message))
