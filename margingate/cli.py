@@ -57,11 +57,12 @@ def _prompts(args) -> list[Prompt]:
                for i, t in enumerate(getattr(args, "prompt", None) or [])]
     if args.prompts_file:
         prompts += load_prompts_file(args.prompts_file)
+    limit = getattr(args, "limit", None)
     if not prompts:
         prompts = builtin_prompts()
-    if getattr(args, "limit", None):
-        prompts = prompts[:args.limit]
-    return prompts
+        if limit and limit < len(prompts):  # spread over the categories, not the first N (all math)
+            return [prompts[i * len(prompts) // limit] for i in range(limit)]
+    return prompts[:limit] if limit else prompts
 
 
 def _llm(args, max_batch_size: int):
@@ -160,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="does a policy give the reference tokens whatever shares its batch?")
     c.add_argument("--prompts-file", help="JSON lines (default: the built-in prompts)")
-    c.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8, 16])
+    c.add_argument("--batch-sizes", type=_int_list, default=[4, 16])
     c.add_argument("--modes", default="hetero,homo,staggered", help="any of hetero,homo,staggered")
     c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    c.add_argument("--limit", type=int, default=16, help="use only the first N prompts (0: all)")
     c.add_argument("--json", action="store_true")
     c.add_argument("--out", help="also write the JSON report here")
     _add_model_args(c)
