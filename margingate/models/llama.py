@@ -97,11 +97,15 @@ class LlamaModel:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * h.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, D]. Rotates the two halves of each head (HF layout)."""
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables for these positions, computed once per forward."""
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, D]. Rotates the two halves of each head (HF layout)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -116,12 +120,13 @@ class LlamaModel:
         n = tokens.shape[0]
         lin = lambda x, w, b=None: Linear.apply(x, w, b, rowwise)  # noqa: E731
         h = F.embedding(tokens, W["embed"])
+        cos, sin = self._rotary(positions, h.dtype)
         for li, L in enumerate(W["layers"]):
             x = self._rms_norm(h, L["input_layernorm"])
             q = lin(x, L["q_proj"], L["q_proj.bias"]).view(n, cfg.num_heads, cfg.head_dim)
             k = lin(x, L["k_proj"], L["k_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
             v = lin(x, L["v_proj"], L["v_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self._rope(q, positions), self._rope(k, positions)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kv.write(li, slots, positions, k, v)
             attn = self._attend(li, q, slots, positions, plan, kv, dtype)
             h = h + lin(attn.reshape(n, -1), L["o_proj"])
