@@ -1,9 +1,12 @@
 """Shared fixtures: the embedded SmolLM2-135M model, loaded once per test session.
 
-`MARGINGATE_TEST_THREADS=N` pins torch to N CPU threads for the whole session
-(default: all cores, as the engine does). On a busy machine 1 thread is far
-faster: with more threads than free cores every small op waits on a
-descheduled OpenMP worker.
+Threads: the engines built here run torch on 1 CPU thread unless
+`MARGINGATE_TEST_THREADS=N` says otherwise (0: all cores, the engine's own
+default). Every property the tests assert is within one process at one thread
+count, so 1 thread loses nothing but speed on an idle machine, and on a busy
+one it is far faster: with more threads than free cores every small op waits
+on a descheduled OpenMP worker (observed > 10x slower on 2 shared cores).
+`test_kv_and_rows.py` also checks the bf16 GEMM rows at all cores.
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import pytest
 
 def session_threads() -> int | None:
     """Thread count for engines built by the tests (None: all cores)."""
-    value = os.environ.get("MARGINGATE_TEST_THREADS")
-    return int(value) if value else None
+    value = int(os.environ.get("MARGINGATE_TEST_THREADS", "1"))
+    return value or None
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +42,7 @@ def llm(model_dir):
 
 @pytest.fixture(scope="session")
 def prompts():
+    """The built-in prompt set (margingate/data/builtin_prompts.jsonl)."""
     from margingate.data.prompts import builtin_prompts
 
     return builtin_prompts()

@@ -2,6 +2,8 @@
 and rollback bookkeeping beneath the policies."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,8 +32,17 @@ def rows_for(w: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> torch.Tensor
 # --- Linear ------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["1-thread", "all-cores"])
+def threads(request):
+    """Run a test at 1 torch thread and at all cores (GEMMs split work by thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "1-thread" else os.cpu_count() or 1)
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name", [*LAYER0, "lm_head"])
-def test_linear_bf16_rows_independent(weights, name):
+def test_linear_bf16_rows_independent(weights, name, threads):
     """bf16 `Linear.apply`: a row computed alone equals, bitwise, the same row inside
     batches of 2..17 rows (at the batch's start and at its end)."""
     w = weights[name]
@@ -44,7 +55,7 @@ def test_linear_bf16_rows_independent(weights, name):
         assert torch.equal(tail, alone[MAX_ROWS - n:]), f"{name}: batch of {n} (last rows)"
 
 
-def test_linear_bf16_rows_independent_with_bias(weights):
+def test_linear_bf16_rows_independent_with_bias(weights, threads):
     """The same with a bias (Qwen2's q/k/v carry one)."""
     w = weights["q_proj"]
     b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)

@@ -2,6 +2,7 @@
 and the loader's error paths."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -35,9 +36,15 @@ def hf_from_gguf(model_dir):
     to bf16 in place: both sides then hold the same numbers, and any remaining
     difference is a conversion or forward bug.
     """
-    gguf = embedded_gguf_path("smollm2-135m")
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    import gguf
+
+    path = embedded_gguf_path("smollm2-135m")
+    with pytest.MonkeyPatch.context() as mp:
+        # Speed only: transformers rebuilds the same (read-only) name map for each of
+        # ~400 tensors (~3 s of CPU); build it once.
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -63,6 +70,14 @@ def test_gguf_conversion_matches_transformers(model_dir, hf_from_gguf):
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embedding
     mismatched = [k for k, w in ours.items() if not torch.equal(w, theirs[k].to(torch.bfloat16))]
     assert mismatched == []
+    # and the shape/rope settings we wrote to config.json are the ones transformers read
+    ours_cfg, hf = load_config(model_dir), hf_from_gguf.config
+    rope = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
+    assert (ours_cfg.vocab_size, ours_cfg.hidden_size, ours_cfg.intermediate_size, ours_cfg.num_layers,
+            ours_cfg.num_heads, ours_cfg.num_kv_heads, ours_cfg.head_dim, ours_cfg.tie_embeddings) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.tie_word_embeddings)
+    assert ours_cfg.rope_theta == rope and ours_cfg.rms_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
 
 
 def test_fp32_logits_match_transformers(llm, prompts, hf_from_gguf):
@@ -99,8 +114,9 @@ def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
     transformers' top-2 margin is at most one bf16 ulp (0.125 at logit ~24), that bit
     decides the argmax. Observed on this machine: 5 of 8 prompts identical; the other
     three first differ at steps 16, 22 and 35, where our token's logit in transformers
-    is 0, 1 ulp and 0 below its maximum. Past the first difference the contexts differ,
-    so nothing later is compared.
+    is 0, 1 ulp and 0 below its maximum (the zeros are exact two- and three-way ties,
+    which transformers breaks to the lowest token id). Past the first difference the
+    contexts differ, so nothing later is compared.
     """
     ours = llm.generate(prompts[:8], max_new_tokens=64, policy=llm.policy("reference"))
     eos = llm.config.eos_token_ids[0]

@@ -251,6 +251,7 @@ def test_malformed_bodies(http, body, status, needle):
     ({"determinism": {"window": 0}}, "determinism.window", "greater than or equal to 1"),
     ({"determinism": {"policy": "margin", "bogus": 1}}, "determinism.bogus", "unknown field"),
     ({"deterministic": False, "determinism": {"policy": "margin"}}, "deterministic", "contradicts"),
+    ({"deterministic": True, "determinism": {"policy": "fast"}}, "determinism.policy", "batch-invariant"),
     ({"deterministic": True, "temperature": 0.7}, "seed", "needs a seed"),
     ({"determinism": {"policy": "dvr"}, "temperature": 1.0}, "seed", "needs a seed"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
@@ -528,3 +529,28 @@ def test_cli_serve_sigterm(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+# --- pieces ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stops", [[], ["STOP"], ["世界"], ["🎉"], [", 3"], ["zz", "more"]])
+def test_text_assembler_matches_full_decode(llm, stops):
+    """Incremental detokenization, in chunks of any size, gives decode(ids) cut at the first stop."""
+    import random
+
+    from margingate.server.app import TextAssembler
+
+    rng = random.Random(0)
+    for text in ["Hello wörld — ünïcödé 你好世界 🎉🎉 done.\n\nNew", "Count: 1, 2, 3, 4", "a b STOP and more"]:
+        ids = llm.tokenizer.encode(text)
+        full = llm.tokenizer.decode(ids)
+        cuts = [full.find(s) for s in stops if s in full]
+        expected = full[:min(cuts)] if cuts else full
+        for _ in range(4):
+            a, out, i = TextAssembler(llm.tokenizer.decode, stops), "", 0
+            while i < len(ids) and not a.stopped:
+                k = rng.randint(1, 3)
+                out += a.feed(ids[i:i + k])
+                i += k
+            out += a.flush()
+            assert out == expected and a.stopped == bool(cuts)

@@ -150,7 +150,7 @@ def run_calibrate(llm, cfg: CalibrateConfig, cache_dir: Path | None, progress: b
     rep = {"command": "calibrate", "dataset": cfg.dataset,
            "settings": {k: v for k, v in vars(cfg).items()} | {"prompts": len(prompts)},
            "prompt_sources": [p.source for p in prompts], "environment": llm.environment(),
-           "delta": delta, "perturbation_tau": 2 * delta["median"] if delta.get("median") is not None else None,
+           "delta": delta, "perturbation_tau": 2 * (delta.get("median") or delta.get("median_nonzero") or 0.0),
            "fast_flips": {"runs": len(judged), "flips": flips, "synchronous_steps": sync,
                           "flip_rate": flips / sync if sync else None,
                           "max_flip_margin": float(flip_m.max()) if len(flip_m) else None},
@@ -203,11 +203,12 @@ def markdown(rep: dict) -> str:
          f"{' (EOS ignored)' if s['ignore_eos'] else ''}, heterogeneous batches of {s['batch_sizes']}; "
          f"torch {env['torch']}, {env['num_threads']} threads, {env['device']}.", "",
          "## App. A: perturbation scale and threshold", "",
-         "| delta med. | delta med. (nonzero) | delta max | pert. (2 x med.) | emp. tau |", "|---|---|---|---|---|",
+         "| delta med. | delta med. (nonzero) | delta max | pert. (2 x delta) | emp. tau |", "|---|---|---|---|---|",
          f"| {_f(d.get('median'))} | {_f(d.get('median_nonzero'))} | {_f(d.get('max'))} | "
          f"{_f(rep.get('perturbation_tau'))} | {_f(rep.get('tau'))} |", "",
          f"delta = |batched - reference| over the reference's top-{d.get('top_k')} logits at synchronous steps "
-         f"({d.get('samples')} samples; {_f(d.get('share_exact'), True)} exactly equal). "
+         f"({d.get('samples')} samples; {_f(d.get('share_exact'), True)} exactly equal; pert. uses the median, "
+         f"or the median of the nonzero differences when most are exactly equal). "
          f"Fast path: {rep['fast_flips']['flips']} flips in {rep['fast_flips']['synchronous_steps']} synchronous "
          f"steps ({_f(rep['fast_flips']['flip_rate'], True)}), largest flip margin "
          f"{_f(rep['fast_flips']['max_flip_margin'])}.", "",

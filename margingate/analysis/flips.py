@@ -582,6 +582,8 @@ def markdown(rep: dict) -> str:
          f"{' (EOS ignored)' if s['ignore_eos'] else ''}; model {env['model']} ({env['model_fingerprint']}), "
          f"torch {env['torch']}, {env['num_threads']} threads, {env['device']}. "
          "Reference = the `reference` policy (decoding alone); batched = `fast`.", ""]
+    if rep.get("partial"):
+        L += [f"**Partial report:** {rep['partial']}.", ""]
     L += ["## Table 1 / App. C: synchronous flip rate", "",
           "| mode | batch | runs | flips | sync. steps | flip rate | seq. det. | median first flip |",
           "|---|---|---|---|---|---|---|---|"]

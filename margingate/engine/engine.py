@@ -55,6 +55,7 @@ class Engine:
         self.step_count = 0
         self.counters: dict[str, float] = defaultdict(float)
         self._finished: list[Sequence] = []
+        self._aborted: list[Sequence] = []
 
     @property
     def max_len(self) -> int:
@@ -62,6 +63,8 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
+        if any(s.request_id == request.request_id for s in [*self.scheduler.running, *self.scheduler.waiting]):
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         need = len(request.prompt_ids) + 1
         if need > self.max_len:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens is longer than the context "
@@ -78,6 +81,8 @@ class Engine:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.request_id == request_id:
                 self.scheduler.remove(seq)
+                seq.finish_reason = "aborted"
+                self._aborted.append(seq)  # reported as finished by the next step
                 return True
         return False
 
@@ -88,7 +93,9 @@ class Engine:
     # --- the loop ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Admit and prefill, decode one token for every running request; returns those that finished."""
-        self._finished = []
+        if torch.get_num_threads() != self.num_threads:  # another engine in this process changed it
+            torch.set_num_threads(self.num_threads)
+        self._finished, self._aborted = self._aborted, []
         for seq in self.scheduler.admit():
             t = time.perf_counter()
             logits = sampler.scores(seq, self.runner.prefill(seq), seq.prompt_len)
@@ -173,5 +180,7 @@ class Engine:
         bar.close()
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Result]:
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("request ids must be unique within one generate call")
         results = {e.request_id: e.result for e in self.stream(requests, progress) if e.finished}
         return [results[r.request_id] for r in requests]

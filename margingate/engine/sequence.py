@@ -102,7 +102,8 @@ class Sequence:
 
     def rollback(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (prompt included)."""
-        assert num_tokens > self.prompt_len, "the prompt is never rolled back"
+        if num_tokens <= self.prompt_len:
+            raise ValueError("the prompt is never rolled back: keep at least one output token")
         del self.output_ids[num_tokens - self.prompt_len:]
         self.canonical_len = min(self.canonical_len, num_tokens - 1)
         self.released = min(self.released, len(self.output_ids))

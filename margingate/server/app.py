@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -63,8 +64,6 @@ class ServerConfig:
 
 class ServerState:
     def __init__(self, llm, engine: Engine, config: ServerConfig):
-        import threading
-
         self.llm, self.engine, self.config = llm, engine, config
         self.model_id = llm.model_name
         self.created = int(time.time())
@@ -109,11 +108,18 @@ def json_error(status: int, message: str, *, param: str | None = None, code: str
 
 class TextAssembler:
     """Released token ids -> text deltas; cuts at the first stop string and never emits half a
-    character or the start of a possible stop string before it is decided."""
+    character or the start of a possible stop string before it is decided.
+
+    Detokenizes incrementally (a window from the last complete character, as vLLM does), so a long
+    answer costs O(n), not O(n^2); the final flush decodes the whole answer once, so the text is
+    always exactly decode(token_ids), cut at the first stop string.
+    """
 
     def __init__(self, decode, stops: list[str]):
         self.decode, self.stops = decode, stops
         self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.decoded = ""             # complete characters decoded so far
         self.text = ""                # emitted so far
         self.stopped = False
 
@@ -121,31 +127,38 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.ids += new_ids
-        full = self.decode(self.ids)
-        cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            return self._emit(full[:cut])
-        end = len(full)
-        while end > len(self.text) and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            end -= 1
-        for s in self.stops:  # hold back a tail that may grow into a stop string
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if full[:end].endswith(s[:k]):
-                    end = min(end, len(full[:end]) - k)
-                    break
-        return self._emit(full[:max(end, len(self.text))])
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.decode(self.ids[self.prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):  # not inside a UTF-8 sequence
+            self.decoded += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._advance(self.decoded, final=False)
 
     def flush(self) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.decode(self.ids))
+        return self._advance(self.decode(self.ids), final=True)
+
+    def _advance(self, full: str, final: bool) -> str:
+        if not full.startswith(self.text):  # the decoder rewrote earlier text: keep what was sent
+            return ""
+        # a stop string never starts inside emitted text: a possible start is always held back
+        cut = min((i for i in (full.find(s, len(self.text)) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._emit(full[:cut])
+        end = len(full)
+        if not final:
+            for s in self.stops:  # hold back a tail that may grow into a stop string
+                for k in range(min(len(s) - 1, end - len(self.text)), 0, -1):
+                    if full.endswith(s[:k]):
+                        end = min(end, len(full) - k)
+                        break
+        return self._emit(full[:end])
 
     def _emit(self, upto: str) -> str:
-        if not upto.startswith(self.text):  # the decoder rewrote earlier text: keep what was sent
-            return ""
         delta = upto[len(self.text):]
-        self.text = upto
+        self.text = upto if len(upto) > len(self.text) else self.text
         return delta
 
 
@@ -167,6 +180,9 @@ def build_policy(state: ServerState, params, streaming: bool) -> tuple[Policy, b
                          param="deterministic")
     if block is None and not params.deterministic:
         return state.llm.policy("fast"), False
+    if params.deterministic and block is not None and block.policy == "fast":
+        raise BadRequest('"deterministic": true needs a batch-invariant policy, not "fast"',
+                         param="determinism.policy")
     name = block.policy if block is not None else state.config.default_policy
     opts: dict[str, Any] = {"strict": not streaming}  # streaming margin: release at once unless asked
     if block is not None:
@@ -244,10 +260,11 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64, engine: 
     @app.get("/health")
     async def health():
         w = state.worker
-        body = {"status": "ok" if w.alive else "engine stopped", "model": state.model_id,
+        status = "ok" if w.alive and w.accepting else "draining" if w.alive else "engine stopped"
+        body = {"status": status, "model": state.model_id,
                 "in_flight": w.in_flight, "running": w.running, "queued": w.queue_length,
                 "kv_slots_free": state.engine.kv.num_free, "last_error": w.last_error}
-        return JSONResponse(body, status_code=200 if w.alive else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import signal
@@ -62,10 +63,8 @@ def add_parser(sub, common) -> None:
 
 
 def cmd_serve(args, common=None) -> None:
-    try:
-        import uvicorn
-    except ImportError:
-        raise ValueError("the server needs its extra: pip install 'margingate[server]'") from None
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
+        raise ValueError("the server needs its extra: pip install 'margingate[server]'")
     from ..cli import Common
     from .app import create_app
     from .background import DrainingServer, uvicorn_config

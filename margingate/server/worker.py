@@ -88,6 +88,10 @@ class EngineWorker:
         return self._thread.is_alive()
 
     @property
+    def accepting(self) -> bool:
+        return self._accepting and not self._stop.is_set()
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
@@ -188,7 +192,11 @@ class EngineWorker:
             if kind == "add":
                 self._add(arg)
             elif kind == "abort":
-                self._abort(*arg)
+                try:
+                    self._abort(*arg)
+                except Exception as exc:  # noqa: BLE001 - never leave a caller waiting
+                    log.error("abort failed: %s", traceback.format_exc())
+                    self._post(arg[0], "error", (500, f"abort failed: {exc}"))
             elif kind == "fail_all":
                 self._fail_all(*arg)
             try:
