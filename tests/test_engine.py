@@ -99,7 +99,8 @@ def test_staggered_fast_replays_exactly(llm, ids):
 
 def test_abort_running_and_waiting(llm, ids):
     """`abort` drops a running request (freeing its slot at once) or a waiting one;
-    an unknown id is reported; the rest run to completion."""
+    an unknown id is reported; aborted requests come back from the next step as
+    finished ("aborted"), so a driver never waits on them; the rest run to completion."""
     engine = small_engine(llm, "fast")
     seqs = [engine.add_request(Request(ids[i], max_new_tokens=8, request_id=f"a{k}"))
             for k, i in enumerate(HET8[:3])]
@@ -109,7 +110,9 @@ def test_abort_running_and_waiting(llm, ids):
     assert engine.abort("a2")  # still waiting
     assert not engine.abort("a1") and not engine.abort("nope")
     assert engine.result(seqs[1]).finish_reason == "aborted"
-    assert [s.request_id for s in drain(engine)] == ["a0"]
+    finished = drain(engine)
+    assert [s.request_id for s in finished] == ["a1", "a2", "a0"]
+    assert [s.finish_reason for s in finished[:2]] == ["aborted", "aborted"]
     assert len(seqs[0].output_ids) == 8 and seqs[2].output_ids == []
     assert engine.kv.num_free == 2
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..kernels import VERSION as KERNELS_VERSION
 from ..engine import Request
 from ..engine.sequence import Sequence
 from ..policies import FastPolicy, ReferencePolicy
@@ -162,7 +163,7 @@ class Runner:
         self.llm, self.ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
         self.ignore_eos, self.progress, self.tag = ignore_eos, progress, tag
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.base = {"version": CACHE_VERSION, "model": llm.config.fingerprint(),
+        self.base = {"version": CACHE_VERSION, "kernels": KERNELS_VERSION, "model": llm.config.fingerprint(),
                      "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
                      "ignore_eos": ignore_eos, "threads": llm.engine.num_threads,
                      "torch": torch.__version__, "device": str(llm.model.device)}
