@@ -158,7 +158,7 @@ def test_sequence_rollback():
     seq.rollback(4)  # never raises canonical_len or released
     assert seq.output_ids == [21] and seq.canonical_len == 3 and seq.released == 1
 
-    with pytest.raises(AssertionError, match="prompt"):
+    with pytest.raises(ValueError, match="prompt"):
         seq.rollback(3)
 
 
