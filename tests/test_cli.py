@@ -1,0 +1,91 @@
+"""The command line end to end on the embedded model, on tiny slices."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from margingate.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json(capsys):
+    """--json prints one object per prompt with token ids, text and the per-request report."""
+    code, out, _ = run(capsys, "generate", "What is 2+2?", "Name a color.", "--policy", "margin",
+                       "--max-new-tokens", "6", "--json", "--threads", "1")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_index"] for r in rows] == [0, 1]
+    for r in rows:
+        assert len(r["token_ids"]) <= 6 and isinstance(r["text"], str)
+        assert r["stats"]["policy"] == "margin" and "triggers" in r["stats"] and "tau" in r["stats"]
+
+
+def test_check_margin_is_deterministic(capsys):
+    """check --policy margin on a slice: 100 % sequence determinism, with the documented keys."""
+    code, out, _ = run(capsys, "check", "--policy", "margin", "--limit", "3", "--batch-sizes", "1,3",
+                       "--max-new-tokens", "12", "--json", "--threads", "1")
+    assert code == 0
+    report = json.loads(out)
+    for key in ("policy", "runs", "sequence_determinism", "flip_rate", "trigger_rate", "repair_rate",
+                "per_batch_size"):
+        assert key in report
+    assert report["sequence_determinism"] == 1.0 and report["flip_rate"] == 0.0
+    assert set(report["per_batch_size"]) == {"1", "3"}
+    assert report["environment"]["num_threads"] == 1
+
+
+def test_check_fast_has_no_gate_figures(capsys):
+    """fast has no trigger: those rates are null, not zero."""
+    code, out, _ = run(capsys, "check", "--policy", "fast", "--limit", "2", "--batch-sizes", "2",
+                       "--modes", "hetero", "--max-new-tokens", "4", "--json", "--threads", "1")
+    report = json.loads(out)
+    assert code == 0 and report["trigger_rate"] is None and report["repair_rate"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--policy", "nope"], "invalid choice"),
+    (["generate", "hi", "--tau", "nan"], "finite"),
+    (["generate", "hi", "--tau", "-1"], ">= 0"),
+    (["generate", "hi", "--tau", "abc"], "number"),
+    (["generate", "hi", "--repair", "glue"], "invalid choice"),
+    (["check", "--modes", "sideways"], "unknown check mode"),
+    (["check", "--batch-sizes", "0,4"], "positive"),
+    (["bench", "--policies", "fast,warp"], "unknown bench policy"),
+])
+def test_bad_arguments_are_refused(capsys, argv, message):
+    """Bad input exits with status 2 and a message naming the problem (argparse or ours)."""
+    try:
+        code = main([*argv, "--threads", "1"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_prompt_file(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "nope.jsonl"), "--threads", "1")
+    assert code == 2 and "not found" in err
+
+
+def test_missing_model_folder(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"), "--threads", "1")
+    assert code == 2 and "no-model" in err
+
+
+def test_bench_quick(capsys, tmp_path):
+    """bench --quick runs the policies side by side and writes JSON, markdown and a plot."""
+    code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast,margin,dvr",
+                       "--out", str(tmp_path), "--threads", "1", "--json")
+    assert code == 0
+    report = json.loads(out)
+    main_ = report["main"]["B8"]
+    assert set(main_) == {"fast", "margin", "dvr"}
+    assert main_["margin"]["sequence_determinism"] == 1.0 and main_["dvr"]["sequence_determinism"] == 1.0
+    assert "increment_ratio_over_margin" in main_["dvr"] or main_["margin"]["overhead"] <= 0
+    assert (tmp_path / "report.json").exists() and (tmp_path / "report.md").exists()
+    assert list(tmp_path.glob("*.png"))
