@@ -191,7 +191,7 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         report["environment"] = llm.environment()
         bench = Bench(llm, progress)
         report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup)
-        if protected_shares and b == max(batch_sizes):
+        if protected_shares and b == min(batch_sizes):
             sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
             for share in protected_shares:
                 w = Workload(prompts_ids, max_new_tokens, b, protected=share)
@@ -225,7 +225,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--policies", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--protected", default="", help="protected-share sweep at the largest batch, e.g. 0.1,0.5,1")
+    p.add_argument("--protected", default="", help="protected-share sweep at the smallest batch size, e.g. 0.125,0.5")
     p.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
     p.add_argument("--json", action="store_true")
