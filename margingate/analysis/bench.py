@@ -50,9 +50,10 @@ class Workload:
 
 
 class Bench:
-    def __init__(self, llm: LLM, progress: bool = True):
+    def __init__(self, llm: LLM, progress: bool = True, references: dict | None = None):
         self.llm, self.progress = llm, progress
-        self._reference: dict[tuple, list[int]] = {}
+        # the reference does not depend on the batch size: share it across benches of one model
+        self._reference: dict[tuple, list[int]] = {} if references is None else references
 
     def reference(self, ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(ids), max_new_tokens)
@@ -186,10 +187,11 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
               out: Path | None, progress: bool = True) -> dict:
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts_ids), "repeats": repeats,
               "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {}}
+    references: dict = {}
     for b in batch_sizes:
         llm = llm_factory(b)
         report["environment"] = llm.environment()
-        bench = Bench(llm, progress)
+        bench = Bench(llm, progress, references)
         report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup)
         if protected_shares and b == min(batch_sizes):
             sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
