@@ -115,7 +115,10 @@ def cmd_check(args) -> None:
     prompts = _prompts(args)
     llm = _llm(args, max(args.batch_sizes))
     make = _policy_factory(llm, args)
-    reference = lambda: llm.policy("reference", precision=args.verifier_precision)  # noqa: E731
+    # The trajectory each policy promises (or, for layercast, its own alone): LayerCast computes in
+    # fp32, so comparing it with the bf16 reference would count precision, not batching, as flips.
+    ref_name = "layercast" if args.policy == "layercast" else "reference"
+    reference = lambda: llm.policy(ref_name, precision=args.verifier_precision)  # noqa: E731
     t0 = time.perf_counter()
     report = Checker(llm, prompts, make, reference, args.max_new_tokens, progress=not args.json).run(
         args.batch_sizes, modes)
