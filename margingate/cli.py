@@ -9,7 +9,7 @@ import time
 
 from .data.prompts import Prompt, PromptFileError, builtin_prompts, load_prompts_file
 from .models.loader import DEFAULT_MODEL
-from .policies import DEFAULT_GROUP, DEFAULT_WINDOW, POLICIES, REPAIRS
+from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICIES, REPAIRS
 
 
 def _int_list(text: str) -> list[int]:
@@ -46,6 +46,8 @@ def _add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--repair", default="replay", choices=REPAIRS)
     p.add_argument("--verifier-precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no-strict", action="store_true", help="margin/replay: never roll back emitted tokens")
+    p.add_argument("--defer", type=int, default=DEFAULT_DEFER,
+                   help="margin/replay: steps a flagged token may wait for a shared verifier pass (0: at once)")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="dvr: tokens per verified window")
     p.add_argument("--group", type=int, default=DEFAULT_GROUP, help="dvr: requests per fixed-shape verifier pass")
     p.add_argument("--inject-flip-at", type=int, default=None, metavar="K",
@@ -74,7 +76,7 @@ def _llm(args, max_batch_size: int):
 
 def _policy_factory(llm, args, name: str | None = None):
     opts = dict(tau=args.tau, repair=args.repair, precision=args.verifier_precision, strict=not args.no_strict,
-                window=args.window, group=args.group)
+                window=args.window, group=args.group, defer=args.defer)
 
     def make():
         policy = llm.policy(name or args.policy, **opts)

@@ -1,6 +1,7 @@
 """The facade: load a model, build an engine, turn prompts into results."""
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -67,4 +68,12 @@ class LLM:
                 "device": str(self.model.device), "torch": torch.__version__,
                 "num_threads": self.engine.num_threads, "default_tau": self.default_tau,
                 "tau_source": "profile" if self.profile else "built-in default", "machine": platform.machine(),
-                "python": platform.python_version()}
+                "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"

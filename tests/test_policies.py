@@ -50,6 +50,35 @@ def test_injected_mismatch_rolls_back_to_the_reference(llm, ids, ref, name):
         assert r.stats["injected"] == 1 and r.stats["rollbacks"] >= 1 and r.stats["missed_flips"] >= 1
 
 
+def test_deferred_margin_shares_passes(llm, ids, ref):
+    """Deferral (the default) and verifying each near-tie at once give the same, reference,
+    tokens; deferral runs fewer verifier passes, and holds flagged tokens until checked."""
+    engine = llm.engine
+    calls = {}
+    for defer in (0, 8):
+        before = engine.counters["verify_calls"]
+        out = batch(llm, ids, lambda: llm.policy("margin", defer=defer))
+        calls[defer] = engine.counters["verify_calls"] - before
+        assert [r.token_ids for r in out] == ref
+        assert all(r.stats["defer"] == defer for r in out)
+    assert calls[8] < calls[0]
+
+    seq = engine.add_request(Request(ids[0], TOKENS, llm.policy("margin", tau=1e9, defer=4), ignore_eos=True,
+                                     request_id="held"))
+    engine.step()  # prefill + first decode step: its token is flagged (tau huge) and held
+    assert seq.flagged and seq.policy.releasable(seq) < len(seq.output_ids)
+    while engine.has_work:
+        engine.step()
+    assert seq.output_ids == ref[0][:len(seq.output_ids)] and not seq.flagged
+
+
+def test_defer_needs_strict_replay(llm):
+    assert llm.policy("margin", strict=False, defer=8).defer == 0
+    assert llm.policy("margin", repair="column", defer=8).defer == 0
+    with pytest.raises(ValueError, match="defer"):
+        llm.policy("margin", defer=-1)
+
+
 def test_non_strict_keeps_the_injected_token(llm, ids, ref):
     """--no-strict never rolls back: the injected token stays (inverse control for strict mode)."""
     def make():

@@ -5,6 +5,8 @@ same process, interleaved repetition by repetition so machine noise hits all of
 them alike. Every request decodes exactly `max_new_tokens` (EOS ignored), so
 all policies do the same amount of work; each output is compared with the
 reference (each prompt decoded alone by the verifier) for sequence determinism.
+Peers (`--peers hf,vllm`, see peers.py) run the same prompt ids and lengths in the
+same run; they are judged against themselves decoding each prompt alone.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tqdm import tqdm
 
 from ..engine import Request
 from ..llm import LLM
+from .peers import make_peers
 
 # name -> (policy name, options); "protected" requests get it, the rest run `fast`.
 VARIANTS = {
@@ -28,6 +31,7 @@ VARIANTS = {
     "dvr": ("dvr", {}),
     "verify-all": ("verify-all", {}),
     "margin": ("margin", {}),
+    "margin-eager": ("margin", {"defer": 0}),  # each near-tie verified at its own step
     "margin-column": ("margin", {"repair": "column"}),
 }
 DEFAULT_VARIANTS = list(VARIANTS)
@@ -49,8 +53,10 @@ class Workload:
 
 
 class Bench:
-    def __init__(self, llm: LLM, progress: bool = True, references: dict | None = None):
+    def __init__(self, llm: LLM, progress: bool = True, references: dict | None = None,
+                 peers: dict | None = None):
         self.llm, self.progress = llm, progress
+        self.peers = peers or {}  # in-process peers, interleaved with the policies
         # the reference does not depend on the batch size: share it across benches of one model
         self._reference: dict[tuple, list[int]] = {} if references is None else references
 
@@ -62,6 +68,8 @@ class Bench:
         return self._reference[key]
 
     def run_once(self, variant: str, w: Workload) -> dict:
+        if variant in self.peers:
+            return self.peers[variant].run_once(w.prompt_ids, w.max_new_tokens, w.batch_size)
         name, opts = VARIANTS[variant]
         mask = w.protected_mask() if variant != "batch-invariant-global" else [True] * len(w.prompt_ids)
         reqs = [Request(ids, w.max_new_tokens, self.llm.policy(name if p else "fast", **opts),
@@ -84,22 +92,26 @@ class Bench:
                 "replayed_tokens": total("replayed_tokens"), "rollbacks": total("rollbacks"),
                 "discarded_tokens": total("discarded_tokens")}
 
-    def compare(self, variants: list[str], w: Workload, repeats: int, warmup: int) -> dict:
-        """Run every variant `warmup + repeats` times, interleaved; summarise per variant."""
+    def compare(self, variants: list[str], w: Workload, repeats: int, warmup: int,
+                external: dict[str, list[dict]] | None = None) -> dict:
+        """Warm every variant up on one batch, then run each `repeats` times, interleaved.
+        `external`: runs measured out of process (the vLLM peer), summarised alongside."""
+        variants = variants + list(self.peers)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for ids in tqdm(w.prompt_ids, desc="reference (alone)", disable=not self.progress, leave=False):
             self.reference(ids, w.max_new_tokens)
-        total = (warmup + repeats) * len(variants)
-        bar = tqdm(total=total, desc=f"bench B={w.batch_size} protected={w.protected:.0%}",
+        # one batch of prompts is enough to warm kernels and allocators; the full workload is not needed
+        head = Workload(w.prompt_ids[:w.batch_size], w.max_new_tokens, w.batch_size, w.protected)
+        bar = tqdm(total=(warmup + repeats) * len(variants), desc=f"bench B={w.batch_size} protected={w.protected:.0%}",
                    disable=not self.progress, leave=False)
         for rep in range(warmup + repeats):
             for v in variants:
-                out = self.run_once(v, w)
+                out = self.run_once(v, head if rep < warmup else w)
                 if rep >= warmup:
                     runs[v].append(out)
                 bar.update()
         bar.close()
-        return summarise(runs, w)
+        return summarise({**runs, **(external or {})}, w)
 
 
 def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
@@ -160,6 +172,23 @@ def plot(report: dict, out: Path) -> list[Path]:
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)
+    if len(report["main"]) > 1:
+        sizes = sorted(int(k[1:]) for k in report["main"])
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for v in report["main"][f"B{sizes[0]}"]:
+            axes[0].plot(sizes, [report["main"][f"B{b}"][v]["tokens_per_s"] for b in sizes], "o-", label=v)
+            axes[1].plot(sizes, [100 * report["main"][f"B{b}"][v].get("overhead", 0) for b in sizes], "o-", label=v)
+        axes[0].set_ylabel("output tokens/s")
+        axes[1].set_ylabel("time overhead over fast (%)")
+        for ax in axes:
+            ax.set_xlabel("batch size")
+            ax.set_xscale("log", base=2)
+        axes[1].legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "batch_size_curve.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
     if report.get("protected_sweep"):
         fig, ax = plt.subplots(figsize=(7, 4))
         sweep = report["protected_sweep"]
@@ -181,15 +210,26 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
               max_new_tokens: int, repeats: int, warmup: int, protected_shares: list[float],
-              out: Path | None, progress: bool = True) -> dict:
-    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts_ids), "repeats": repeats,
-              "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {}}
+              out: Path | None, progress: bool = True, peers: dict | None = None, workload: str = "") -> dict:
+    report = {"workload": workload, "max_new_tokens": max_new_tokens, "prompts": len(prompts_ids),
+              "repeats": repeats, "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {},
+              "peers": {}}
     references: dict = {}
+    peers = peers or {}
+    in_process = {k: p for k, p in peers.items() if hasattr(p, "run_once")}
     for b in batch_sizes:
+        external = {}
+        for name, peer in peers.items():
+            if name not in in_process:  # out of process: its own warm-up and repeats, before ours
+                res = peer.run(prompts_ids, max_new_tokens, b, repeats, warmup)
+                external[name] = res["runs"]
+                report["peers"][name] = {"version": res["version"]}
         llm = llm_factory(b)
         report["environment"] = llm.environment()
-        bench = Bench(llm, progress, references)
-        report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup)
+        bench = Bench(llm, progress, references, in_process)
+        report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup,
+                                                external)
+        bench.peers = {}  # the protected-share sweep is about our policies only
         if protected_shares and b == min(batch_sizes):
             sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
             for share in protected_shares:
@@ -205,11 +245,20 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
 
 def markdown(report: dict) -> str:
     env = report.get("environment", {})
-    parts = [f"# margingate bench\n\n{report['prompts']} prompts x {report['max_new_tokens']} tokens (EOS ignored), "
-             f"median of {report['repeats']} after {report['warmup']} warm-up; {env.get('model')} on "
-             f"{env.get('device')}, torch {env.get('torch')}, {env.get('num_threads')} threads.\n"]
+    parts = [f"# margingate bench\n\n{report['prompts']} prompts ({report.get('workload') or 'prompts'}) x "
+             f"{report['max_new_tokens']} tokens (EOS ignored), median of {report['repeats']} after "
+             f"{report['warmup']} warm-up on one batch; {env.get('model')} on {env.get('device')} "
+             f"({env.get('cpu', '?')}), torch {env.get('torch')}, {env.get('num_threads')} threads, "
+             f"tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
+        peers = [v for v in summary if v in ("hf-generate", "vllm-cpu")]
+        if peers and "fast" in summary:
+            ratios = ", ".join(f"{summary['fast']['tokens_per_s'] / summary[v]['tokens_per_s']:.2f}x {v}"
+                               for v in peers)
+            parts.append(f"`fast` throughput over the peers at B={key[1:]}: {ratios}. Peers are judged against "
+                         "themselves decoding each prompt alone; HF runs static groups of B (no continuous "
+                         "batching).")
     for share, summary in report.get("protected_sweep", {}).items():
         parts.append(format_table(f"protected share {float(share):.0%} (the rest: fast)", summary))
     return "\n\n".join(parts) + "\n"
@@ -218,6 +267,8 @@ def markdown(report: dict) -> str:
 def add_parser(sub, common) -> None:
     p = sub.add_parser("bench", help="every policy side by side on one workload, in one run")
     p.add_argument("--prompts-file", help="JSON lines (default: the built-in prompts)")
+    p.add_argument("--dataset", help="humaneval, sharegpt, champ or builtin, instead of --prompts-file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --dataset subset")
     p.add_argument("--limit", type=int, default=32, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=common.int_list, default=[8, 16])
@@ -225,6 +276,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--protected", default="", help="protected-share sweep at the smallest batch size, e.g. 0.125,0.5")
+    p.add_argument("--peers", default="", help="also run hf (transformers generate) and/or vllm (needs "
+                   "`make vllm-venv`) on the same prompts, e.g. hf,vllm")
     p.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
     p.add_argument("--json", action="store_true")
@@ -242,7 +295,6 @@ def _cmd(args, common) -> None:
     shares = [float(x) for x in args.protected.split(",") if x.strip()]
     if any(not 0 < s <= 1 for s in shares):
         raise ValueError("--protected shares must be in (0, 1]")
-    prompts = common.prompts(args)
     cache = {}
 
     def factory(b):
@@ -251,7 +303,15 @@ def _cmd(args, common) -> None:
             cache[b] = common.llm(args, b)
         return cache[b]
 
-    ids = [factory(max(args.batch_sizes)).tokenizer.encode_prompt(p) for p in prompts]
+    llm = factory(max(args.batch_sizes))
+    if args.dataset:
+        from ..data.datasets import dataset_prompts
+        prompts = dataset_prompts(args.dataset, args.limit, args.seed, llm.tokenizer)
+    else:
+        prompts = common.prompts(args)
+    ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
+    peers = make_peers([x.strip() for x in args.peers.split(",") if x.strip()], llm.folder, llm.engine.num_threads)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
-                       shares, Path(args.out) if args.out else None, progress=not args.json)
+                       shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
+                       workload=args.dataset or args.prompts_file or "built-in prompts")
     print(json.dumps(report) if args.json else markdown(report))

@@ -110,6 +110,8 @@ class Engine:
             logits = torch.stack([sampler.scores(s, row, s.next_pos + 1) for s, row in zip(batch, logits)])
             self._count("decode", t, rows=len(batch))
             jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
+            if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
+                jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
             verified = self._verify([j for j in jobs if j is not None])
             for seq, row, job in zip(batch, logits, jobs):
                 seq.stats["steps"] += 1

@@ -2,8 +2,9 @@
 
 A decode step reads: the runner computes logits for every running request
 (each row with the attention kernel its policy asks for), then each policy
-`propose`s: it may ask the verifier to recompute some of its positions. All
-those jobs run in one verifier pass, and each policy `commit`s: it appends the
+`propose`s: it may ask the verifier to recompute some of its positions. If
+any does, the others may `join` that pass. All those jobs run in one verifier
+pass, and each policy `commit`s: it appends the
 token(s), may overwrite K/V columns or roll back. When a request meets a stop
 condition its policy gets `finish_job` / `confirm_finish` (a strict policy
 re-checks the unverified tail there and may roll back, un-finishing it).
@@ -48,6 +49,11 @@ class Policy:
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         """Look at this step's fp32 logits. Return a job to verify, or None."""
+        return None
+
+    def join(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+        """A verifier pass runs this step anyway (another request asked for it): return a job
+        to ride along, or None. Joining costs rows but no extra pass."""
         return None
 
     def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:

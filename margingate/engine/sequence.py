@@ -64,6 +64,8 @@ class Sequence:
     finish_reason: str | None = None
     kv: "KVCache | None" = None           # set by the engine: the cache holding this request's slot
     pending: Any = None                    # a policy's scratch between propose and commit
+    # positions whose token a gate flagged (low margin) and that still wait for the verifier
+    flagged: set[int] = field(default_factory=set)
     stats: dict[str, Any] = field(default_factory=lambda: {
         "steps": 0, "triggers": 0, "repairs": 0, "replayed_tokens": 0, "rollbacks": 0,
         "min_margin": math.inf})
@@ -105,6 +107,7 @@ class Sequence:
         if num_tokens <= self.prompt_len:
             raise ValueError("the prompt is never rolled back: keep at least one output token")
         del self.output_ids[num_tokens - self.prompt_len:]
+        self.flagged = {p for p in self.flagged if p < num_tokens}
         self.canonical_len = min(self.canonical_len, num_tokens - 1)
         self.released = min(self.released, len(self.output_ids))
 

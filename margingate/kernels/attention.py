@@ -29,11 +29,15 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(b, kv_heads, h // kv_heads, d)
 
 
-def batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """One query per row. q: [B, H, D]; k, v: [B, Hkv, Lmax, D]; lengths: [B]."""
-    mask = None
-    if bool((lengths != k.shape[2]).any()):
-        mask = (torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None])[:, None, None, :]
+def length_mask(lengths: torch.Tensor, lmax: int) -> torch.Tensor | None:
+    """Key-padding mask for `batched` ([B, 1, 1, lmax]); None when every row has lmax keys."""
+    if bool((lengths == lmax).all()):
+        return None
+    return (torch.arange(lmax, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One query per row. q: [B, H, D]; k, v: [B, Hkv, Lmax, D]; mask from `length_mask`."""
     out = F.scaled_dot_product_attention(_grouped(q, k.shape[1]), k, v, attn_mask=mask)
     return out.reshape(q.shape)
 

@@ -34,6 +34,27 @@ class AttentionPlan:
     exact: list[int] = field(default_factory=list)
 
 
+class _Rows:
+    """The plan turned into slots, lengths, indices and the padding mask, once per forward
+    rather than once per layer (each costs host syncs and small ops)."""
+
+    def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor):
+        slot_list, pos_list = slots.tolist(), positions.tolist()
+        self.prefill = (slot_list[0], len(pos_list)) if plan.prefill else None
+        self.exact = [(r, slot_list[r], pos_list[r] + 1) for r in plan.exact]
+        self.exact_idx = torch.tensor(plan.exact, device=slots.device)
+        self.batched = None
+        if plan.batched:
+            rs = [slot_list[r] for r in plan.batched]
+            lengths = [pos_list[r] + 1 for r in plan.batched]
+            lmax = max(lengths)
+            consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
+            gather = None if consecutive else torch.tensor(rs, device=slots.device)
+            mask = attention.length_mask(torch.tensor(lengths, device=slots.device), lmax)
+            self.batched = (torch.tensor(plan.batched, device=slots.device), rs[0], rs[0] + len(rs), gather, lmax,
+                            mask)
+
+
 class Linear:
     """The one linear kernel of the model, written so that every row is computed
     the same way whatever the number of rows (row-independence).
@@ -121,6 +142,7 @@ class LlamaModel:
         lin = lambda x, w, b=None: Linear.apply(x, w, b, rowwise)  # noqa: E731
         h = F.embedding(tokens, W["embed"])
         cos, sin = self._rotary(positions, h.dtype)
+        rows = _Rows(plan, slots, positions)
         for li, L in enumerate(W["layers"]):
             x = self._rms_norm(h, L["input_layernorm"])
             q = lin(x, L["q_proj"], L["q_proj.bias"]).view(n, cfg.num_heads, cfg.head_dim)
@@ -128,7 +150,7 @@ class LlamaModel:
             v = lin(x, L["v_proj"], L["v_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kv.write(li, slots, positions, k, v)
-            attn = self._attend(li, q, slots, positions, plan, kv, dtype)
+            attn = self._attend(li, q, rows, kv, dtype)
             h = h + lin(attn.reshape(n, -1), L["o_proj"])
             x = self._rms_norm(h, L["post_attention_layernorm"])
             h = h + lin(F.silu(lin(x, L["gate_proj"])) * lin(x, L["up_proj"]), L["down_proj"])
@@ -137,26 +159,22 @@ class LlamaModel:
         h = self._rms_norm(h, W["norm"])
         return lin(h, W["lm_head"]).float()
 
-    def _attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                plan: AttentionPlan, kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, rows: "_Rows", kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
         K, V = kv.k[layer], kv.v[layer]
-        if plan.prefill:
-            length = q.shape[0]
-            s = int(slots[0])
-            return attention.prefill(q, K[s, :, :length].to(dtype), V[s, :, :length].to(dtype))
+        cast = (lambda t: t) if K.dtype == dtype else (lambda t: t.to(dtype))  # noqa: E731
+        if rows.prefill is not None:
+            s, length = rows.prefill
+            return attention.prefill(q, cast(K[s, :, :length]), cast(V[s, :, :length]))
         out = torch.empty_like(q)
-        if plan.batched:
-            rows = torch.tensor(plan.batched, device=q.device)
-            lengths = positions[rows] + 1
-            rs = slots[rows]
-            lmax = int(lengths.max())
-            first = int(rs[0])
-            if bool((rs == torch.arange(first, first + len(rs), device=rs.device)).all()):
-                kb, vb = K[first:first + len(rs), :, :lmax], V[first:first + len(rs), :, :lmax]  # views, no copy
+        if rows.batched is not None:
+            idx, lo, hi, gather, lmax, mask = rows.batched
+            if gather is None:  # consecutive slots: views, no copy
+                kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
             else:
-                kb, vb = K[rs, :, :lmax], V[rs, :, :lmax]
-            out[rows] = attention.batched(q[rows], kb.to(dtype), vb.to(dtype), lengths)
-        for r in plan.exact:
-            s, length = int(slots[r]), int(positions[r]) + 1
-            out[r] = attention.exact(q[r], K[s, :, :length].to(dtype), V[s, :, :length].to(dtype))
+                kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
+            out[idx] = attention.batched(q[idx], cast(kb), cast(vb), mask)
+        if rows.exact:
+            qs = q.unbind(0)
+            done = [attention.exact(qs[r], cast(K[s, :, :n]), cast(V[s, :, :n])) for r, s, n in rows.exact]
+            out[rows.exact_idx] = torch.stack(done)
         return out

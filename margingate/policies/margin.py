@@ -4,6 +4,15 @@ Every step runs on the fast batched path. When the protected request's top-1
 minus top-2 logit (fp32) is below `tau`, or an exact tie, the verifier runs and
 repairs (see `verifying` for the repair modes; `replay` is the default).
 `verify-all` is tau = infinity with `column-always`: per-token verification.
+
+Deferral (`defer` = D > 0, strict `replay` only): a flagged token is held, not
+released, for up to D more steps before its check is due, and every protected
+request rides along on any pass that runs. On this CPU a verifier pass costs
+about a whole decode step whatever its size (the weights are streamed once per
+forward), so verifying each near-tie at once pays that fixed cost at most steps;
+sharing passes pays it about once per D steps. A flip found late rolls back the
+tokens decoded after it (counted in `rollbacks` and `discarded_tokens`); output
+is the same either way, since strict replay checks every token.
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
 DEFAULT_TAU = 0.5  # used when the model has no calibrated profile; see README
+DEFAULT_DEFER = 8  # steps a flagged token may wait for a shared pass; see README (bench)
 
 
 def parse_tau(tau) -> float:
@@ -36,17 +46,36 @@ class MarginPolicy(VerifyingPolicy):
     name = "margin"
 
     def __init__(self, tau: float = DEFAULT_TAU, repair: str = "replay", precision: str = "bf16",
-                 strict: bool = True):
+                 strict: bool = True, defer: int = DEFAULT_DEFER):
         super().__init__(repair, precision, strict)
         self.tau = parse_tau(tau)
+        if not isinstance(defer, int) or isinstance(defer, bool) or defer < 0:
+            raise ValueError(f"defer must be an integer >= 0, got {defer!r}")
+        # deferring needs the strict replay: only it can take back a token decoded after a late flip
+        self.defer = defer if repair == "replay" and strict else 0
 
     def settings(self) -> dict:
-        return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings()}
+        return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
 
     def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
         margin = margin_of(logits)
         seq.stats["min_margin"] = min(seq.stats["min_margin"], margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
+
+    def propose(self, seq: Sequence, logits: torch.Tensor):
+        if not self.defer:
+            return super().propose(seq, logits)
+        if self.injecting(seq):
+            return None
+        if self.gate(seq, logits):
+            seq.stats["triggers"] += 1
+            seq.flagged.add(seq.next_pos + 1)  # the position of the token this step emits
+        if seq.flagged and seq.next_pos + 1 - min(seq.flagged) >= self.defer:
+            return self.job(seq)
+        return None
+
+    def join(self, seq: Sequence, logits: torch.Tensor):
+        return self.job(seq) if self.defer and not self.injecting(seq) else None
 
 
 class VerifyAllPolicy(MarginPolicy):

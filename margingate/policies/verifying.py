@@ -49,12 +49,19 @@ class VerifyingPolicy(Policy):
         """Verify this step?"""
         raise NotImplementedError
 
+    def injecting(self, seq: Sequence) -> bool:
+        return self.inject_flip_at == len(seq.output_ids) and not seq.stats.get("injected")
+
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
-        if self.inject_flip_at == len(seq.output_ids) and not seq.stats.get("injected"):
+        if self.injecting(seq):
             return None
         if not self.gate(seq, logits):
             return None
         seq.stats["triggers"] += 1
+        return self.job(seq)
+
+    def job(self, seq: Sequence) -> VerifyJob:
+        """Verify this step's token (with `replay`, everything since the last canonical position)."""
         pos = seq.next_pos
         if self.repair == "replay":
             return VerifyJob(seq, seq.canonical_len, pos, self.precision, self.pad_to)
@@ -65,7 +72,7 @@ class VerifyingPolicy(Policy):
     def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
         fast_token = int(torch.argmax(logits))
         if verified is None:
-            if self.inject_flip_at == len(seq.output_ids) and not seq.stats.get("injected"):
+            if self.injecting(seq):
                 seq.stats["injected"] = 1
                 fast_token = int(torch.topk(logits, 2).indices[1])
             seq.output_ids.append(fast_token)
@@ -73,8 +80,9 @@ class VerifyingPolicy(Policy):
         seq.stats["replayed_tokens"] += verified.shape[0]
         if self.repair == "replay":
             if self._check_history(seq, verified[:-1]):
-                return  # rolled back to a missed flip; that step's token is already fixed
+                return  # rolled back to a flip; that step's token is already fixed
             seq.canonical_len = seq.next_pos + 1
+            seq.flagged.clear()
         token = int(torch.argmax(verified[-1]))
         if token != fast_token:
             seq.stats["repairs"] += 1
@@ -91,7 +99,10 @@ class VerifyingPolicy(Policy):
         for i, row in enumerate(rows):
             expected = int(torch.argmax(row))
             if expected != seq.token_at(start + i + 1):
-                seq.stats["missed_flips"] = seq.stats.get("missed_flips", 0) + 1
+                if start + i + 1 in seq.flagged:  # the gate saw it; its check was deferred
+                    seq.stats["repairs"] += 1
+                else:
+                    seq.stats["missed_flips"] = seq.stats.get("missed_flips", 0) + 1
                 if not self.strict:
                     continue
                 seq.stats["rollbacks"] += 1
@@ -99,6 +110,7 @@ class VerifyingPolicy(Policy):
                                                  + seq.num_tokens - (start + i + 1))
                 seq.rollback(start + i + 1)
                 seq.canonical_len = start + i + 1
+                seq.flagged.clear()
                 seq.output_ids.append(expected)
                 return True
         return False
@@ -114,6 +126,7 @@ class VerifyingPolicy(Policy):
         if self._check_history(seq, verified):
             return False
         seq.canonical_len = seq.num_tokens - 1
+        seq.flagged.clear()
         return True
 
     def releasable(self, seq: Sequence) -> int:

