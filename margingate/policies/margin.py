@@ -7,10 +7,10 @@ repairs (see `verifying` for the repair modes; `replay` is the default).
 
 Deferral (`defer` = D > 0, strict `replay` only): a flagged token is held, not
 released, for up to D more steps before its check is due, and every protected
-request rides along on any pass that runs. On this CPU a verifier pass costs
-about a whole decode step whatever its size (the weights are streamed once per
-forward), so verifying each near-tie at once pays that fixed cost at most steps;
-sharing passes pays it about once per D steps. A flip found late rolls back the
+request rides along on any pass that runs. Every verifier pass has a fixed
+cost on top of its rows (a forward streams all the weights once), and with 8-16
+requests each flagging ~11 % of steps, verifying every near-tie at once pays it
+at most steps; sharing passes pays it about once per D steps. A flip found late rolls back the
 tokens decoded after it (counted in `rollbacks` and `discarded_tokens`); output
 is the same either way, since strict replay checks every token.
 """
