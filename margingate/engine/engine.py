@@ -24,8 +24,11 @@ class EngineConfig:
     max_batch_size: int = 16      # decode rows per step = KV slots
     max_model_len: int = 2048     # positions per slot (prompt + output)
     num_threads: int | None = None  # torch CPU threads; None: all cores
+    prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
 
     def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 2:
@@ -92,23 +95,32 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Admit and prefill, decode one token for every running request; returns those that finished."""
+        """Admit; one forward with every prompt chunk due and one decode row per running request;
+        the policies; returns the requests that finished."""
         if torch.get_num_threads() != self.num_threads:  # another engine in this process changed it
             torch.set_num_threads(self.num_threads)
         self._finished, self._aborted = self._aborted, []
-        for seq in self.scheduler.admit():
-            t = time.perf_counter()
-            logits = sampler.scores(seq, self.runner.prefill(seq), seq.prompt_len)
-            seq.canonical_len = seq.prompt_len
-            seq.output_ids.append(int(torch.argmax(logits)))
-            self._count("prefill", t, rows=seq.prompt_len)
-        self._stop_finished([s for s in self.scheduler.running if s.should_stop(self.max_len)])
-        batch = [s for s in self.scheduler.running if s.finish_reason is None]
+        self.scheduler.admit()
+        chunk = self.config.prefill_chunk
+        prefills = [(s, s.prefilled, s.prompt_len if chunk is None else min(s.prompt_len, s.prefilled + chunk))
+                    for s in self.scheduler.running if s.prefilled < s.prompt_len]
+        batch = [s for s in self.scheduler.running if s.prefilled == s.prompt_len and s.finish_reason is None]
+        if not prefills and not batch:
+            self.step_count += 1
+            return self._finished
+        t = time.perf_counter()
+        out = self.runner.step(prefills, batch)
+        self._count("decode" if batch else "prefill", t, rows=len(batch))
+        self.counters["prefill_rows"] += sum(b - a for _, a, b in prefills)
+        started = []
+        for (seq, _, end), logits in zip(prefills, out):
+            seq.prefilled = end
+            if logits is not None:  # the prompt is complete: its last row chooses the first token
+                seq.canonical_len = seq.prompt_len
+                seq.output_ids.append(int(torch.argmax(sampler.scores(seq, logits, seq.prompt_len))))
+                started.append(seq)
         if batch:
-            t = time.perf_counter()
-            logits = self.runner.decode(batch)
-            logits = torch.stack([sampler.scores(s, row, s.next_pos + 1) for s, row in zip(batch, logits)])
-            self._count("decode", t, rows=len(batch))
+            logits = torch.stack([sampler.scores(s, row, s.next_pos + 1) for s, row in zip(batch, out[len(prefills):])])
             jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
             if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
                 jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
@@ -116,7 +128,7 @@ class Engine:
             for seq, row, job in zip(batch, logits, jobs):
                 seq.stats["steps"] += 1
                 seq.policy.commit(seq, row, verified.get(id(job)))
-            self._stop_finished([s for s in batch if s.should_stop(self.max_len)])
+        self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
         self.step_count += 1
         return self._finished
 

@@ -1,5 +1,14 @@
-"""Turns sequences and verify jobs into model forwards (rows, positions, slots, plan)."""
+"""Turns sequences and verify jobs into model forwards (rows, positions, slots, plan).
+
+A forward is a list of spans: consecutive positions of one request fed in one go
+(a prompt chunk, one decode position, a verifier window). Each span's rows attend
+exactly (the invariant kernel) unless they are a decode row whose policy takes the
+batched fast path, and the forward runs the invariant Linear/norm kernels as soon
+as one span needs them.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,53 +18,51 @@ from .policy import VerifyJob
 from .sequence import Sequence
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Positions [start, end) of `seq`, fed in one forward; the logits of its last `want` rows come back."""
+    seq: Sequence | None          # None: dummy rows on the scratch slot (fixed-shape padding)
+    start: int
+    end: int
+    exact: bool                   # attend over exactly its own prefix (else: the padded batched call)
+    invariant: bool               # needs the invariant kernels
+    want: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
 class Runner:
     def __init__(self, model: LlamaModel, kv: KVCache):
         self.model, self.kv, self.device = model, kv, model.device
         self.scratch_slot = kv.allocate()  # where the dummy rows of padded verifier passes write
-        # bf16 GEMM rows are batch-invariant on CPU (tested); GPU GEMMs pick tiles by shape.
-        self.matmul_rows_invariant = self.device.type == "cpu"
 
-    def _forward(self, tokens: list[int], positions: list[int], slots: list[int], plan: AttentionPlan,
-                 **kw) -> torch.Tensor:
-        dev = self.device
-        return self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                  torch.tensor(slots, device=dev), plan, self.kv, **kw)
-
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """The whole prompt alone, causal: deterministic by construction. Returns last-row logits."""
-        n = seq.prompt_len
-        logits = self._forward(seq.request.prompt_ids, list(range(n)), [seq.slot] * n,
-                               AttentionPlan(prefill=True), logits_rows=slice(n - 1, n))
-        return logits[0]
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One step for every running sequence; [B, vocab] fp32 logits.
-
-        One forward for the whole batch, unless some policy asks for another compute
-        dtype (LayerCast) or for exact rows where GEMMs are not row-invariant.
-        """
-        exact_split = not self.matmul_rows_invariant
-        key = lambda s: (s.policy.compute_dtype, exact_split and s.policy.exact_attention)  # noqa: E731
-        groups: dict = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(key(s), []).append(i)
-        out = torch.empty(len(seqs), self.model.config.vocab_size)
-        for (dtype, rowwise), idx in groups.items():
-            part = [seqs[i] for i in idx]
-            plan = AttentionPlan(batched=[k for k, s in enumerate(part) if not s.policy.exact_attention],
-                                 exact=[k for k, s in enumerate(part) if s.policy.exact_attention])
-            out[idx] = self._forward([s.token_at(s.next_pos) for s in part], [s.next_pos for s in part],
-                                     [s.slot for s in part], plan, dtype=dtype, rowwise=rowwise)
+    def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
+        """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
+        Returns, in that order, fp32 logits for each: a prompt chunk's last row if it ends
+        the prompt (else None), each decode row's. Decode rows whose policy computes in
+        another dtype (LayerCast) run in their own forward."""
+        spans = [Span(s, a, b, exact=True, invariant=s.policy.invariant_prefill, want=int(b == s.prompt_len))
+                 for s, a, b in prefills]
+        spans += [Span(s, s.next_pos, s.next_pos + 1, exact=s.policy.invariant_decode,
+                       invariant=s.policy.invariant_decode) for s in decodes]
+        dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
+        out: list[torch.Tensor | None] = [None] * len(spans)
+        for dtype in dict.fromkeys(dtypes):
+            idx = [i for i, d in enumerate(dtypes) if d == dtype]
+            part = [spans[i] for i in idx]
+            for i, logits in zip(idx, self._run(part, dtype, any(s.invariant for s in part))):
+                out[i] = None if logits is None else logits[-1]
         return out
 
     def verify(self, jobs: list[VerifyJob]) -> list[torch.Tensor]:
-        """Recompute every job's positions with the verifier's kernels.
+        """Recompute every job's positions with the verifier's (invariant) kernels.
 
-        Each position is its own single-query row attending over exactly its prefix,
-        so its K/V and logits do not depend on the other rows of the pass. Jobs share
-        one pass per precision; fixed-shape jobs (`pad_to`) go in groups of `group`,
-        each group padded to exactly group x pad_to rows.
+        Each position is its own query row over exactly its prefix, so its K/V and
+        logits do not depend on the other rows of the pass. Jobs share one pass per
+        precision; fixed-shape jobs (`pad_to`) go in groups of `group`, each group padded
+        to exactly group x pad_to rows (LLM-42's fixed verifier shape).
         """
         results: list[torch.Tensor | None] = [None] * len(jobs)
         passes: dict = {}
@@ -64,29 +71,44 @@ class Runner:
         for (dtype, pad_to, group), idx in passes.items():
             chunks = [idx] if pad_to is None else [idx[k:k + group] for k in range(0, len(idx), group)]
             for chunk in chunks:
-                self._verify_pass([jobs[i] for i in chunk], dtype, pad_to, group, results, chunk)
+                spans = []
+                for i in chunk:
+                    j = jobs[i]
+                    spans.append(Span(j.seq, j.start, j.end + 1, exact=True, invariant=True, want=j.rows))
+                    if pad_to is not None:
+                        spans.append(self._padding(pad_to - jobs[i].rows))
+                if pad_to is not None:
+                    spans.append(self._padding((group - len(chunk)) * pad_to))
+                logits = [x for x, s in zip(self._run(spans, dtype, True), spans) if s.seq is not None]
+                for i, x in zip(chunk, logits):
+                    results[i] = x
         return results
 
-    def _verify_pass(self, jobs, dtype, pad_to, group, results, where) -> None:
-        tokens, positions, slots = [], [], []
-        for j in jobs:
-            tokens += j.seq.tokens(j.start, j.end + 1)
-            positions += range(j.start, j.end + 1)
-            slots += [j.seq.slot] * j.rows
-            if pad_to is not None:
-                self._pad(tokens, positions, slots, pad_to - j.rows)
-        if pad_to is not None:
-            self._pad(tokens, positions, slots, (group - len(jobs)) * pad_to)
-        rowwise = dtype != torch.bfloat16 or not self.matmul_rows_invariant
-        logits = self._forward(tokens, positions, slots, AttentionPlan(exact=list(range(len(tokens)))),
-                               dtype=dtype, rowwise=rowwise)
-        offset = 0
-        for i, j in zip(where, jobs):
-            results[i] = logits[offset:offset + j.rows]
-            offset += j.rows if pad_to is None else pad_to
-
-    def _pad(self, tokens: list, positions: list, slots: list, n: int) -> None:
+    def _padding(self, n: int) -> Span:
         """Dummy rows on the scratch slot: they only make the pass's shape fixed."""
-        tokens += [0] * n
-        positions += range(n)
-        slots += [self.scratch_slot] * n
+        return Span(None, 0, n, exact=True, invariant=True, want=0)
+
+    def _run(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
+        """One forward over the spans; each span's wanted logits rows, or None."""
+        tokens, positions, slots, exact, batched, want = [], [], [], [], [], []
+        for span in spans:
+            first = len(tokens)
+            if span.seq is None:
+                tokens += [0] * span.rows
+                slots += [self.scratch_slot] * span.rows
+            else:
+                tokens += span.seq.tokens(span.start, span.end)
+                slots += [span.seq.slot] * span.rows
+            positions += range(span.start, span.end)
+            (exact if span.exact else batched).extend(range(first, len(tokens)))
+            want.extend(range(len(tokens) - span.want, len(tokens)))
+        dev = self.device
+        logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                                    torch.tensor(slots, device=dev), AttentionPlan(exact, batched), self.kv,
+                                    dtype=dtype, invariant=invariant,
+                                    logits_rows=torch.tensor(want, dtype=torch.long, device=dev))
+        out, at = [], 0
+        for span in spans:
+            out.append(logits[at:at + span.want] if span.want else None)
+            at += span.want
+        return out

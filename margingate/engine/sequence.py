@@ -57,6 +57,7 @@ class Sequence:
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
+    prefilled: int = 0                     # prompt positions whose K/V are written
     # positions [0, canonical_len) hold K/V written by the verifier's kernels
     # (the prompt's, by the prefill, always do); see policies.margin.
     canonical_len: int = 0

@@ -1,3 +1,12 @@
-"""Kernels whose numerics define the tokens. Bump VERSION whenever a change alters
-any kernel's output bits: cached measurement runs are keyed by it."""
-VERSION = 2  # 2: grouped-query decode attention (commit df3bd3d)
+"""Kernels whose numerics define the tokens: every Linear, norm, activation and attention
+of the model goes through one of the two kernel sets here.
+
+- `library`: what PyTorch gives (oneDNN/MKL GEMMs, SDPA over a padded batch). Fast where
+  the library is, and batch-variant: the `fast` path and the inverse control.
+- `invariant`: our compiled kernels (`csrc/invariant.cpp`), whose reduction orders are
+  fixed by the row alone, at any batch, slot, thread count or call.
+
+Bump VERSION whenever a change alters any kernel's output bits: cached measurement runs
+are keyed by it.
+"""
+VERSION = 3  # 3: compiled invariant kernels; rotary tables by position; fused qkv / gate-up

@@ -1,77 +1,105 @@
 """Llama-family forward (Llama, Mistral, Qwen2) over rows of (slot, position, token).
 
-The model knows nothing of requests: a forward gets N rows and an attention
-plan saying which kernel each row uses, writes every row's K/V into the cache,
-and returns the rows' logits. Numerics follow Hugging Face's implementation
-(RMSNorm in fp32, rotary tables cast to the activation dtype) so that
-`transformers` can serve as the oracle in tests.
+The model knows nothing of requests: a forward gets N rows and an attention plan
+saying which rows attend exactly (over their own cached prefix, the invariant
+kernel) and which share one padded batched call (the library kernel), writes
+every row's K/V into the cache, and returns the rows' logits. `invariant=True`
+runs every Linear, norm and activation through the invariant kernels too; then
+each row's K/V and logits are a function of its tokens alone.
+
+Numerics follow Hugging Face's implementation (RMSNorm in fp32, rotary tables cast
+to the activation dtype, bf16 logits) so that `transformers` is the oracle in tests.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import attention
+from ..kernels import invariant as invariant_kernels
+from ..kernels import library as library_kernels
 from ..kv_cache import KVCache
 from .config import ModelConfig
-
-_LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "input_layernorm", "post_attention_layernorm")
 
 
 @dataclass
 class AttentionPlan:
     """How the rows of one forward attend. Row indices refer to the forward's rows.
 
-    `prefill`: all rows are one request's prompt, positions 0..L-1, causal.
-    `batched`: rows that share one padded SDPA call (one row per request).
-    `exact`: rows that each attend over exactly their own prefix.
+    `exact`: each row attends over keys [0, its position] of its own slot (prompt rows,
+    chunks, decode rows and verifier rows alike: one kernel, so they agree bitwise).
+    `batched`: decode rows (one per request) sharing one padded SDPA call.
     """
-    prefill: bool = False
-    batched: list[int] = field(default_factory=list)
     exact: list[int] = field(default_factory=list)
+    batched: list[int] = field(default_factory=list)
+
+    @classmethod
+    def all_exact(cls, n: int) -> "AttentionPlan":
+        return cls(exact=list(range(n)))
 
 
 class _Rows:
-    """The plan turned into slots, lengths, indices and the padding mask, once per forward
-    rather than once per layer (each costs host syncs and small ops)."""
+    """The plan as index tensors, built once per forward rather than once per layer."""
 
     def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor):
-        slot_list, pos_list = slots.tolist(), positions.tolist()
-        self.prefill = (slot_list[0], len(pos_list)) if plan.prefill else None
-        self.exact = [(r, slot_list[r], pos_list[r] + 1) for r in plan.exact]
-        self.exact_idx = torch.tensor(plan.exact, device=slots.device)
+        dev = slots.device
+        self.exact = None
+        if plan.exact:
+            idx = torch.tensor(plan.exact, device=dev)
+            self.exact = (idx, slots[idx], positions[idx] + 1, len(plan.exact) == slots.shape[0])
         self.batched = None
         if plan.batched:
+            slot_list, pos_list = slots.tolist(), positions.tolist()
             rs = [slot_list[r] for r in plan.batched]
             lengths = [pos_list[r] + 1 for r in plan.batched]
             lmax = max(lengths)
             consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
-            gather = None if consecutive else torch.tensor(rs, device=slots.device)
-            mask = attention.length_mask(torch.tensor(lengths, device=slots.device), lmax)
-            self.batched = (torch.tensor(plan.batched, device=slots.device), rs[0], rs[0] + len(rs), gather, lmax,
-                            mask)
+            gather = None if consecutive else torch.tensor(rs, device=dev)
+            mask = library_kernels.length_mask(torch.tensor(lengths, device=dev), lmax)
+            self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax, mask)
 
 
-class Linear:
-    """The one linear kernel of the model, written so that every row is computed
-    the same way whatever the number of rows (row-independence).
+class _RotaryTable:
+    """cos/sin of every position, each value computed on its own (Python's libm, double, then
+    rounded to fp32): a position's entry never depends on how many positions a forward holds
+    or on the thread count (a vectorized library cos treats a tensor's tail differently)."""
 
-    bf16 on CPU: oneDNN sends a single row (M=1) to a GEMV that accumulates in
-    another order than its M>=2 GEMM (visible for K > 1024, e.g. down_proj), so a
-    single row is padded to two. fp32 GEMM rows differ between M=1, 2-4 and >=5,
-    so a row-independent fp32 pass (`rowwise`) computes one row per call.
-    """
+    def __init__(self, head_dim: int, theta: float):
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        self.inv_freq = (1.0 / (theta ** exponents)).tolist()
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.size = 0
 
-    @staticmethod
-    def apply(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rowwise: bool) -> torch.Tensor:
-        if rowwise and x.shape[0] > 1:
-            return torch.cat([F.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
-        if x.shape[0] == 1 and x.dtype == torch.bfloat16:
-            return F.linear(torch.cat((x, x)), w, b)[:1]
-        return F.linear(x, w, b)
+    def _grow(self, n: int) -> None:
+        size = max(256, 1 << (n - 1).bit_length())
+        angles = (torch.arange(size, dtype=torch.float32)[:, None] * torch.tensor(self.inv_freq)[None, :]).tolist()
+        cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float32)
+        sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float32)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        self.tables = {torch.float32: (cos, sin)}
+        self.size = size
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, D] cos and sin for these positions, in `dtype`."""
+        top = int(positions.max()) + 1
+        if top > self.size:
+            self._grow(top)
+        if dtype not in self.tables:
+            cos, sin = self.tables[torch.float32]
+            self.tables[dtype] = (cos.to(dtype), sin.to(dtype))
+        cos, sin = self.tables[dtype]
+        return cos[positions][:, None], sin[positions][:, None]
+
+
+def _fused_bias(biases: list[torch.Tensor | None], weights: list[torch.Tensor],
+                device: torch.device) -> torch.Tensor | None:
+    """The bias of fused projections (q|k|v): a part without one gets zeros."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([torch.zeros(w.shape[0], dtype=w.dtype) if b is None else b.to(w.dtype)
+                      for b, w in zip(biases, weights)]).to(device)
 
 
 class LlamaModel:
@@ -79,9 +107,7 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self._weights = {torch.bfloat16: self._collect(state)}
-        inv_freq = 1.0 / (config.rope_theta ** (
-            torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=self.device) / config.head_dim))
-        self._inv_freq = inv_freq
+        self._rotary = _RotaryTable(config.head_dim, config.rope_theta)
 
     def _collect(self, state: dict[str, torch.Tensor]) -> dict:
         dev = self.device
@@ -89,20 +115,22 @@ class LlamaModel:
         w["lm_head"] = state["lm_head.weight"].to(dev) if "lm_head.weight" in state else w["embed"]
         w["layers"] = []
         for i in range(self.config.num_layers):
-            p = f"model.layers.{i}."
-            layer = {}
-            for name in _LAYER_WEIGHTS:
-                sub = "self_attn." if name.endswith("_proj") and name[0] in "qkvo" else \
-                      "mlp." if name.endswith("_proj") else ""
-                layer[name] = state[p + sub + name + ".weight"].to(dev)
-            for name in ("q_proj", "k_proj", "v_proj"):
-                bias = state.get(p + "self_attn." + name + ".bias")
-                layer[name + ".bias"] = None if bias is None else bias.to(dev)
-            w["layers"].append(layer)
+            attn, mlp, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+            qkv = [state[attn + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]
+            biases = [state.get(attn + n + ".bias") for n in ("q_proj", "k_proj", "v_proj")]
+            w["layers"].append({
+                "qkv": torch.cat(qkv).to(dev),
+                "qkv.bias": _fused_bias(biases, qkv, dev),
+                "o_proj": state[attn + "o_proj.weight"].to(dev),
+                "gate_up": torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]).to(dev),
+                "down_proj": state[mlp + "down_proj.weight"].to(dev),
+                "input_layernorm": state[p + "input_layernorm.weight"].to(dev),
+                "post_attention_layernorm": state[p + "post_attention_layernorm.weight"].to(dev),
+            })
         return w
 
     def weights(self, dtype: torch.dtype) -> dict:
-        """Weights in `dtype`; an fp32 copy is made on first use (fp32 verifier)."""
+        """Weights in `dtype`; an fp32 copy is made on first use (LayerCast's library fp32 path)."""
         if dtype not in self._weights:
             base = self._weights[torch.bfloat16]
             cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
@@ -112,21 +140,10 @@ class LlamaModel:
             }
         return self._weights[dtype]
 
-    # --- pieces ------------------------------------------------------------------
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
-        return weight * h.to(x.dtype)
-
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables for these positions, computed once per forward."""
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, D]. Rotates the two halves of each head (HF layout)."""
+        """x: [N, heads, D]. Rotates the two halves of each head (HF layout). Elementwise ops
+        only, each rounded once: the same bits for a position in any forward."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -135,46 +152,52 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 plan: AttentionPlan, kv: KVCache, *, dtype: torch.dtype = torch.bfloat16,
-                rowwise: bool = False, logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Run N rows through the model; returns fp32 logits of `logits_rows` (default all)."""
-        cfg, W = self.config, self.weights(dtype)
-        n = tokens.shape[0]
-        lin = lambda x, w, b=None: Linear.apply(x, w, b, rowwise)  # noqa: E731
-        h = F.embedding(tokens, W["embed"])
-        cos, sin = self._rotary(positions, h.dtype)
+                invariant: bool = True, logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """Run N rows through the model; returns fp32 logits of `logits_rows` (default all).
+
+        `invariant`: every Linear, norm and activation through the invariant kernels (bf16
+        weights; `dtype` is the activations'). Otherwise the library's, with weights in `dtype`.
+        """
+        cfg = self.config
+        ops = invariant_kernels if invariant else library_kernels
+        W = self.weights(torch.bfloat16 if invariant else dtype)
+        n, eps = tokens.shape[0], cfg.rms_eps
+        h = F.embedding(tokens, W["embed"]).to(dtype)
+        cos, sin = self._rotary.lookup(positions, dtype)
         rows = _Rows(plan, slots, positions)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for li, L in enumerate(W["layers"]):
-            x = self._rms_norm(h, L["input_layernorm"])
-            q = lin(x, L["q_proj"], L["q_proj.bias"]).view(n, cfg.num_heads, cfg.head_dim)
-            k = lin(x, L["k_proj"], L["k_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = lin(x, L["v_proj"], L["v_proj.bias"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            kv.write(li, slots, positions, k, v)
+            x = ops.rmsnorm(h, L["input_layernorm"], eps)
+            q, k, v = ops.linear(x, L["qkv"], L["qkv.bias"]).split((q_size, kv_size, kv_size), dim=-1)
+            q = self._rope(q.reshape(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rope(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
             attn = self._attend(li, q, rows, kv, dtype)
-            h = h + lin(attn.reshape(n, -1), L["o_proj"])
-            x = self._rms_norm(h, L["post_attention_layernorm"])
-            h = h + lin(F.silu(lin(x, L["gate_proj"])) * lin(x, L["up_proj"]), L["down_proj"])
+            h = h + ops.linear(attn.reshape(n, -1), L["o_proj"])
+            x = ops.rmsnorm(h, L["post_attention_layernorm"], eps)
+            h = h + ops.linear(ops.silu_mul(ops.linear(x, L["gate_up"])), L["down_proj"])
         if logits_rows is not None:
             h = h[logits_rows]
-        h = self._rms_norm(h, W["norm"])
-        return lin(h, W["lm_head"]).float()
+        h = ops.rmsnorm(h, W["norm"], eps)
+        return ops.linear(h, W["lm_head"]).float()
 
-    def _attend(self, layer: int, q: torch.Tensor, rows: "_Rows", kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, rows: _Rows, kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
         K, V = kv.k[layer], kv.v[layer]
-        cast = (lambda t: t) if K.dtype == dtype else (lambda t: t.to(dtype))  # noqa: E731
-        if rows.prefill is not None:
-            s, length = rows.prefill
-            return attention.prefill(q, cast(K[s, :, :length]), cast(V[s, :, :length]))
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        if rows.exact is not None and rows.exact[3]:  # every row exact: no scatter
+            _, slots, lengths, _ = rows.exact
+            return invariant_kernels.attention(q, K, V, slots, lengths, scale)
         out = torch.empty_like(q)
+        if rows.exact is not None:
+            idx, slots, lengths, _ = rows.exact
+            out[idx] = invariant_kernels.attention(q[idx], K, V, slots, lengths, scale)
         if rows.batched is not None:
             idx, lo, hi, gather, lmax, mask = rows.batched
             if gather is None:  # consecutive slots: views, no copy
                 kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
             else:
                 kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
-            out[idx] = attention.batched(q[idx], cast(kb), cast(vb), mask)
-        if rows.exact:
-            qs = q.unbind(0)
-            done = [attention.exact(qs[r], cast(K[s, :, :n]), cast(V[s, :, :n])) for r, s, n in rows.exact]
-            out[rows.exact_idx] = torch.stack(done)
+            if kb.dtype != dtype:
+                kb, vb = kb.to(dtype), vb.to(dtype)
+            out[idx] = library_kernels.batched_attention(q[idx], kb, vb, mask)
         return out

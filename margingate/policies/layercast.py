@@ -13,3 +13,4 @@ from ..engine.policy import Policy
 class LayerCastPolicy(Policy):
     name = "layercast"
     compute_dtype = torch.float32
+    invariant_prefill = False

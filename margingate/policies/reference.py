@@ -1,8 +1,8 @@
 """`reference`: the request decoded as if alone, through the verifier's kernels at every step.
 
-Its rows attend over exactly their own prefix inside the shared batch; with
-row-invariant GEMMs that is bitwise what decoding alone computes. In fp32 the
-verifier itself recomputes every step (a fp32 pass cannot share the bf16 forward).
+Its rows go through the invariant kernels inside the shared batch, which is bitwise what
+decoding alone computes. In fp32 the verifier itself recomputes every step (a fp32 pass
+cannot share the bf16 forward).
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ class ReferencePolicy(Policy):
     def __init__(self, precision: str = "bf16"):
         self.precision = parse_precision(precision)
         self.precision_name = precision
-        self.exact_attention = self.precision == torch.bfloat16
+        self.invariant_decode = self.precision == torch.bfloat16
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
-        if self.exact_attention:
+        if self.invariant_decode:
             return None
         return VerifyJob(seq, seq.next_pos, seq.next_pos, self.precision)
 

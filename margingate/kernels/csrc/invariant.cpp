@@ -1,0 +1,358 @@
+// Batch-invariant CPU kernels: every reduction has an order fixed by the row alone.
+//
+// Each output element is reduced by the same instruction sequence whatever the
+// number of rows, the row's place among them, the thread count, or the call it
+// arrives in (prefill, chunk, decode step, verifier replay). Threads split output
+// tiles, never a reduction. The code uses AVX2 + FMA intrinsics only (no
+// CPU-dependent library dispatch), so the bits are also the same on every x86
+// CPU that has them.
+//
+// Reduction orders, in one place:
+// - dot products (linear, q.k): 8 fp32 lanes; lane l accumulates the products of
+//   a fixed set of k (one FMA chain, k ascending); then `hsum` adds the lanes in a
+//   fixed tree.
+// - attention: keys in fixed chunks of kChunk positions counted from position 0;
+//   online softmax merges the chunks in ascending order.
+// - rmsnorm: sum of squares as for dot products.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kChunk = 32;  // attention key chunk (positions); part of the numerics
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exact
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline float hsum(__m256 v) {  // fixed tree: (lo + hi), then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp on 8 lanes: Cody-Waite reduction and a degree-6 polynomial; our own code, so its
+// bits do not depend on a math library. Inputs are clamped to [-87, 88]; below -87 -> 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float exp1(float x) {  // the same arithmetic for one value
+  float buf[8];
+  _mm256_storeu_ps(buf, exp8(_mm256_set1_ps(x)));
+  return buf[0];
+}
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Rows of x as fp32, each padded with zeros to kp (a multiple of 8) columns.
+std::vector<float> rows_fp32(const at::Tensor& x, int64_t kp) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> out(m * kp, 0.0f);
+  if (x.scalar_type() == at::kFloat) {
+    const float* src = x.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i) std::memcpy(&out[i * kp], src + i * k, k * sizeof(float));
+  } else {
+    const bf16* src = x.data_ptr<bf16>();
+    for (int64_t i = 0; i < m * k; ++i) out[(i / k) * kp + i % k] = static_cast<float>(src[i]);
+  }
+  return out;
+}
+
+// ---- linear: y = x W^T + b ----------------------------------------------------
+// One tile: MR rows of x against NR rows of W. Every (row, column) pair has its own
+// accumulator, so neither MR nor NR changes any element's reduction.
+template <int MR, int NR>
+void tile(const float* x, int64_t kp, const uint16_t* w, int64_t k, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t kfull = k & ~int64_t(7);
+  for (int64_t c = 0; c < kfull; c += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = bf16x8(w + j * k + c);
+    for (int i = 0; i < MR; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + i * kp + c);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (kfull < k) {  // tail of the reduction: zero-padded W, x is already padded
+    alignas(32) uint16_t pad[8];
+    for (int j = 0; j < NR; ++j) {
+      std::memset(pad, 0, sizeof(pad));
+      std::memcpy(pad, w + j * k + kfull, (k - kfull) * sizeof(uint16_t));
+      __m256 wv = bf16x8(pad);
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * kp + kfull), wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = hsum(acc[i][j]);
+}
+
+template <int MR, int NR>
+void columns(const float* x, int64_t kp, const uint16_t* w, int64_t k, float* out, int64_t ldo,
+             int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile<MR, NR>(x, kp, w + n * k, k, out + n, ldo);
+  for (; n < n1; ++n) tile<MR, 1>(x, kp, w + n * k, k, out + n, ldo);
+}
+
+// Columns [n0, n1) for rows [0, m): W's rows stay in cache while row tiles pass.
+void linear_block(const float* x, int64_t m, int64_t kp, const uint16_t* w, int64_t k, float* out,
+                  int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int64_t kNB = 12;  // columns per sweep over the row tiles
+  for (int64_t nb = n0; nb < n1; nb += kNB) {
+    const int64_t ne = std::min(nb + kNB, n1);
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) columns<4, 3>(x + i * kp, kp, w, k, out + i * ldo, ldo, nb, ne);
+    const float* xt = x + i * kp;
+    float* ot = out + i * ldo;
+    switch (m - i) {
+      case 3: columns<3, 4>(xt, kp, w, k, ot, ldo, nb, ne); break;
+      case 2: columns<2, 6>(xt, kp, w, k, ot, ldo, nb, ne); break;
+      case 1: columns<1, 12>(xt, kp, w, k, ot, ldo, nb, ne); break;
+      default: break;
+    }
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  bool fp32_out) {
+  check_cpu(x, "x");
+  check_cpu(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K], weight [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear: weight must be bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: x bf16 or fp32");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kp = (k + 7) & ~int64_t(7);
+  std::vector<float> xf = rows_fp32(x, kp);
+  at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* out = acc.data_ptr<float>();
+  const uint16_t* wp = u16(w);
+  // Grain: enough columns that a task is worth a thread, whatever m is.
+  const int64_t grain = std::max<int64_t>(12, (int64_t(1) << 16) / std::max<int64_t>(1, m * k / 8));
+  at::parallel_for(0, (n + 11) / 12, std::max<int64_t>(1, grain / 12), [&](int64_t b, int64_t e) {
+    linear_block(xf.data(), m, kp, wp, k, out, n, b * 12, std::min(e * 12, n));
+  });
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    acc.add_(bias->to(at::kFloat));  // elementwise: the same rounding for every row
+  }
+  return fp32_out ? acc : acc.to(at::kBFloat16);
+}
+
+// ---- attention --------------------------------------------------------------------
+// Row r (query heads q[r], at position lengths[r] - 1 of cache slot slots[r]) attends
+// over keys [0, lengths[r]) of that slot. k_cache, v_cache: [S, Hkv, L, D], bf16 (the
+// engine's) or fp32 (tests against an fp32 oracle); C is their storage type.
+template <typename T, typename C>
+void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t g, int64_t d,
+                float scale, T* out) {
+  constexpr int kMaxG = 16, kMaxD = 256;
+  float qf[kMaxG][kMaxD], acc[kMaxG][kMaxD], mx[kMaxG], den[kMaxG];
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < d; ++i) { qf[h][i] = static_cast<float>(q[h * d + i]); acc[h][i] = 0.0f; }
+    mx[h] = -INFINITY;
+    den[h] = 0.0f;
+  }
+  alignas(32) float s[kMaxG][kChunk];
+  for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
+    const int64_t cn = std::min(kChunk, len - c0);
+    for (int64_t j = 0; j < cn; ++j) {
+      const C* kr = kc + (c0 + j) * d;
+      for (int64_t h = 0; h < g; ++h) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[h][i]), load8(kr + i), a);
+        s[h][j] = hsum(a) * scale;
+      }
+    }
+    for (int64_t h = 0; h < g; ++h) {
+      float cmax = -INFINITY;
+      for (int64_t j = 0; j < cn; ++j) cmax = std::max(cmax, s[h][j]);
+      const float m_new = std::max(mx[h], cmax);
+      const float alpha = mx[h] == -INFINITY ? 0.0f : exp1(mx[h] - m_new);
+      for (int64_t j = cn; j < kChunk; ++j) s[h][j] = -INFINITY;
+      for (int64_t j = 0; j < kChunk; j += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[h][j]), _mm256_set1_ps(m_new)));
+        _mm256_store_ps(&s[h][j], p);  // masked keys: exp(-inf) -> 0
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < cn; ++j) sum += s[h][j];
+      den[h] = den[h] * alpha + sum;
+      mx[h] = m_new;
+      const __m256 av = _mm256_set1_ps(alpha);
+      for (int64_t i = 0; i < d; i += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(&acc[h][i]), av);
+        for (int64_t j = 0; j < cn; ++j)
+          a = _mm256_fmadd_ps(_mm256_set1_ps(s[h][j]), load8(vc + (c0 + j) * d + i), a);
+        _mm256_storeu_ps(&acc[h][i], a);
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h)
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h][i] / den[h]);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  check_cpu(q, "q");
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "attention: q [N, H, D], caches [S, Hkv, L, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat),
+              "attention: the KV cache must be bf16 or fp32");
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), lmax = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0 && d <= 256, "attention: head dim must be a multiple of 8, <= 256");
+  TORCH_CHECK(h % hkv == 0 && h / hkv <= 16, "attention: query heads must be a multiple of KV heads (<= 16x)");
+  at::Tensor sl = slots.to(at::kLong).contiguous(), ln = lengths.to(at::kLong).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* lp = ln.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < k_cache.size(0) && lp[r] >= 1 && lp[r] <= lmax,
+                "attention: slot or length out of range");
+  at::Tensor out = at::empty_like(q);
+  const int64_t g = h / hkv;
+  const bool fp32_cache = k_cache.scalar_type() == at::kFloat;
+  at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t r = t / hkv, kvh = t % hkv, off = (sp[r] * hkv + kvh) * lmax * d, qo = (r * h + kvh * g) * d;
+      const float sc = static_cast<float>(scale);
+      if (q.scalar_type() == at::kFloat && fp32_cache)
+        attend_row(q.data_ptr<float>() + qo, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off,
+                   lp[r], g, d, sc, out.data_ptr<float>() + qo);
+      else if (q.scalar_type() == at::kFloat)
+        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], g, d, sc,
+                   out.data_ptr<float>() + qo);
+      else
+        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], g, d, sc,
+                   out.data_ptr<bf16>() + qo);
+    }
+  });
+  return out;
+}
+
+// ---- rmsnorm, silu * up -------------------------------------------------------------
+// rmsnorm as Hugging Face's Llama: h = x * rsqrt(mean(x^2) + eps) in fp32, cast to x's
+// dtype, times the weight.
+template <typename T>
+void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d, float eps) {
+  std::vector<float> xf(d + 8, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(x[r * d + i]);
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      __m256 v = _mm256_loadu_ps(&xf[i]);  // zero-padded tail
+      a = _mm256_fmadd_ps(v, v, a);
+    }
+    const float inv = 1.0f / std::sqrt(hsum(a) / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      const float wi = bf16_value(w[i]);
+      out[r * d + i] = static_cast<T>(wi * static_cast<float>(static_cast<T>(xf[i] * inv)));
+    }
+  }
+}
+
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rmsnorm: weight must be bf16");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(weight.numel() == d, "rmsnorm: weight size");
+  at::Tensor out = at::empty_like(x);
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    if (x.scalar_type() == at::kFloat)
+      rmsnorm_rows(x.data_ptr<float>() + b * d, u16(weight), out.data_ptr<float>() + b * d, e - b, d, eps);
+    else
+      rmsnorm_rows(x.data_ptr<bf16>() + b * d, u16(weight), out.data_ptr<bf16>() + b * d, e - b, d, eps);
+  });
+  return out;
+}
+
+// gate_up: [N, 2I] (gate | up) -> silu(gate) * up, [N, I]; silu rounded to the dtype first
+// (as Hugging Face's act_fn(gate) * up).
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  alignas(32) float g[8];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gu + r * 2 * inter;
+    const T* up = gate + inter;
+    for (int64_t i = 0; i < inter; i += 8) {
+      const int64_t c = std::min<int64_t>(8, inter - i);
+      for (int64_t j = 0; j < 8; ++j) g[j] = j < c ? static_cast<float>(gate[i + j]) : 0.0f;
+      __m256 gv = _mm256_load_ps(g);
+      __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      _mm256_store_ps(g, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+      for (int64_t j = 0; j < c; ++j)
+        out[r * inter + i + j] = static_cast<T>(static_cast<float>(static_cast<T>(g[j])) *
+                                                static_cast<float>(up[i + j]));
+    }
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: [N, 2I]");
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    if (gate_up.scalar_type() == at::kFloat)
+      silu_mul_rows(gate_up.data_ptr<float>() + b * 2 * inter, out.data_ptr<float>() + b * inter, e - b, inter);
+    else
+      silu_mul_rows(gate_up.data_ptr<bf16>() + b * 2 * inter, out.data_ptr<bf16>() + b * inter, e - b, inter);
+  });
+  return out;
+}
+
+bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "batch-invariant x @ W^T + b (bf16 W, fp32 accumulation)");
+  m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
+  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
+  m.attr("CHUNK") = kChunk;
+}

@@ -1,0 +1,82 @@
+"""The batch-invariant kernels (C++, `csrc/invariant.cpp`), built on first use and cached.
+
+Every reduction here has an order that is a function of the row alone: not of
+the number of rows, the row's place among them, the torch thread count, or the
+call the row arrives in. The build is loud: a machine that cannot build or run
+these kernels gets an error naming what is missing, never a silent fallback to
+library kernels that would break the determinism contract.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "invariant.cpp"
+# AVX2 + FMA intrinsics only, no -march=native: the same instructions on every x86 CPU
+# that has them. -ffp-contract=off: the compiler never fuses a mul and an add on its own.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+
+
+class KernelBuildError(RuntimeError):
+    """The invariant kernels could not be built or cannot run on this CPU."""
+
+
+def build_dir() -> Path:
+    """Where the compiled extension is cached, keyed by torch version."""
+    root = Path(os.environ.get("MARGINGATE_CACHE", Path.home() / ".cache" / "margingate"))
+    path = root / "kernels" / f"torch-{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def ops():
+    """The compiled module (built on first call, then loaded from the cache)."""
+    missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None
+               and not (tool == "ninja" and _has_ninja_module())]
+    if missing:
+        raise KernelBuildError(f"cannot build margingate's invariant kernels: {', '.join(missing)} not found "
+                               "(install g++ from your distribution and `pip install ninja`)")
+    from torch.utils.cpp_extension import load
+
+    try:
+        mod = load(name="margingate_invariant", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
+    except Exception as exc:  # compiler errors, missing headers
+        raise KernelBuildError(f"building margingate's invariant kernels failed: {exc}") from exc
+    if not mod.cpu_supported():
+        raise KernelBuildError("margingate's invariant kernels need a CPU with AVX2 and FMA")
+    return mod
+
+
+def _has_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    os.environ["PATH"] = f"{Path(ninja.BIN_DIR)}{os.pathsep}{os.environ.get('PATH', '')}"
+    return True
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b for x [M, K] (bf16 or fp32), w [N, K] bf16; fp32 accumulation, result in x's dtype.
+    With fp32 x this is the fp32 product with the bf16 weights upcast (exactly)."""
+    return ops().linear(x.contiguous(), w, b, x.dtype == torch.float32)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of cache slot slots[r]."""
+    return ops().attention(q.contiguous(), k_cache, v_cache, slots, lengths, scale)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops().rmsnorm(x.contiguous(), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return ops().silu_mul(gate_up.contiguous())
