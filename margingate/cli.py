@@ -8,6 +8,7 @@ import sys
 import time
 
 from .data.prompts import Prompt, PromptFileError, builtin_prompts, load_prompts_file
+from .kernels.invariant import KernelBuildError
 from .models.loader import DEFAULT_MODEL
 from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICIES, REPAIRS
 
@@ -20,6 +21,16 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _tau(text: str) -> float:
@@ -36,8 +47,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"embedded model name or a local Hugging Face folder (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: all cores; the tokens do not depend on it)")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per request (prompt + output)")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
+                   help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
 
 
 def _add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -71,7 +85,7 @@ def _llm(args, max_batch_size: int):
     from .llm import LLM
 
     return LLM(args.model, device=args.device, max_batch_size=max_batch_size,
-               max_model_len=args.max_model_len, num_threads=args.threads)
+               max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk)
 
 
 def _policy_factory(llm, args, name: str | None = None):
@@ -117,9 +131,10 @@ def cmd_check(args) -> None:
     prompts = _prompts(args)
     llm = _llm(args, max(args.batch_sizes))
     make = _policy_factory(llm, args)
-    # The trajectory each policy promises (or, for layercast, its own alone): LayerCast computes in
-    # fp32, so comparing it with the bf16 reference would count precision, not batching, as flips.
-    ref_name = "layercast" if args.policy == "layercast" else "reference"
+    # The trajectory each policy promises. fast and layercast promise none: they are judged
+    # against themselves alone (their kernels differ from the reference's, so comparing them
+    # with it would count kernels or precision, not batching, as flips).
+    ref_name = args.policy if args.policy in ("fast", "layercast") else "reference"
     reference = lambda: llm.policy(ref_name, precision=args.verifier_precision)  # noqa: E731
     t0 = time.perf_counter()
     report = Checker(llm, prompts, make, reference, args.max_new_tokens, progress=not args.json).run(
@@ -183,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined beside their code: each module has add_parser(sub, common).
     # --- registered subcommands (one line each) ---
-    from .server.cli import add_parser as _serve; _serve(sub, Common)  # noqa: E702
-    from .analysis.bench import add_parser as _bench; _bench(sub, Common)  # noqa: E702
-    from .analysis.flips import add_parser as _flips; _flips(sub, Common)  # noqa: E702
-    from .analysis.calibrate import add_parser as _calibrate; _calibrate(sub, Common)  # noqa: E702
+    from .server.cli import add_parser as _serve; _serve(sub, Common)  # noqa: E702, I001
+    from .analysis.bench import add_parser as _bench; _bench(sub, Common)  # noqa: E702, I001
+    from .analysis.flips import add_parser as _flips; _flips(sub, Common)  # noqa: E702, I001
+    from .analysis.calibrate import add_parser as _calibrate; _calibrate(sub, Common)  # noqa: E702, I001
     # --- end registered subcommands ---
     return parser
 
@@ -198,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.func(args)
-    except (PromptFileError, ValueError, FileNotFoundError) as exc:
+    except (PromptFileError, ValueError, FileNotFoundError, KernelBuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from .data.prompts import Prompt
 from .engine import Engine, EngineConfig, Request, Result
 from .engine.engine import StreamEvent
-from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
+from .kernels import VERSION as KERNELS_VERSION
+from .kernels import invariant
 from .models.llama import LlamaModel
+from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
 from .models.tokenizer import Tokenizer
 from .policies import DEFAULT_TAU, Policy, make_policy
 from .profiles import load_profile
@@ -29,9 +31,11 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
-                 max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast"):
+                 max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
+                 prefill_chunk: int | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
+        invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
         self.folder = resolve_model_dir(model)
         self.model_name = model
         self.config = load_config(self.folder)
@@ -40,7 +44,7 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads),
+        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk),
                              lambda: self.default_policy)
 
     def policy(self, name: str, **options) -> Policy:
@@ -68,12 +72,19 @@ class LLM:
                 "device": str(self.model.device), "torch": torch.__version__,
                 "num_threads": self.engine.num_threads, "default_tau": self.default_tau,
                 "tau_source": "profile" if self.profile else "built-in default", "machine": platform.machine(),
-                "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+                "cpu": _cpu_info("model name") or platform.processor() or "unknown",
+                "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
+                "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION,
+                "python": platform.python_version()}
 
 
-def _cpu_name() -> str:
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
+
+
+def _cpu_info(key: str) -> str | None:
+    """A field of /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
     except OSError:
-        return platform.processor() or "unknown"
+        return None

@@ -17,7 +17,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def test_generate_json(capsys):
     """--json prints one object per prompt with token ids, text and the per-request report."""
     code, out, _ = run(capsys, "generate", "What is 2+2?", "Name a color.", "--policy", "margin",
-                       "--max-new-tokens", "6", "--json", "--threads", "1")
+                       "--max-new-tokens", "6", "--json")
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt_index"] for r in rows] == [0, 1]
@@ -29,7 +29,7 @@ def test_generate_json(capsys):
 def test_check_margin_is_deterministic(capsys):
     """check --policy margin on a slice: 100 % sequence determinism, with the documented keys."""
     code, out, _ = run(capsys, "check", "--policy", "margin", "--limit", "3", "--batch-sizes", "1,3",
-                       "--max-new-tokens", "12", "--json", "--threads", "1")
+                       "--max-new-tokens", "12", "--json", "--threads", "2")  # the flag is recorded
     assert code == 0
     report = json.loads(out)
     for key in ("policy", "runs", "sequence_determinism", "flip_rate", "trigger_rate", "repair_rate",
@@ -37,13 +37,13 @@ def test_check_margin_is_deterministic(capsys):
         assert key in report
     assert report["sequence_determinism"] == 1.0 and report["flip_rate"] == 0.0
     assert set(report["per_batch_size"]) == {"1", "3"}
-    assert report["environment"]["num_threads"] == 1
+    assert report["environment"]["num_threads"] == 2
 
 
 def test_check_fast_has_no_gate_figures(capsys):
     """fast has no trigger: those rates are null, not zero."""
     code, out, _ = run(capsys, "check", "--policy", "fast", "--limit", "2", "--batch-sizes", "2",
-                       "--modes", "hetero", "--max-new-tokens", "4", "--json", "--threads", "1")
+                       "--modes", "hetero", "--max-new-tokens", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["trigger_rate"] is None and report["repair_rate"] is None
 
@@ -62,26 +62,26 @@ def test_check_fast_has_no_gate_figures(capsys):
 def test_bad_arguments_are_refused(capsys, argv, message):
     """Bad input exits with status 2 and a message naming the problem (argparse or ours)."""
     try:
-        code = main([*argv, "--threads", "1"])
+        code = main(argv)
     except SystemExit as exc:
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err
 
 
 def test_missing_prompt_file(capsys, tmp_path):
-    code, _, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "nope.jsonl"), "--threads", "1")
+    code, _, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "nope.jsonl"))
     assert code == 2 and "not found" in err
 
 
 def test_missing_model_folder(capsys, tmp_path):
-    code, _, err = run(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"), "--threads", "1")
+    code, _, err = run(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"))
     assert code == 2 and "no-model" in err
 
 
 def test_bench_quick(capsys, tmp_path):
     """bench --quick runs the policies side by side and writes JSON, markdown and a plot."""
     code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast,margin,dvr",
-                       "--out", str(tmp_path), "--threads", "1", "--json")
+                       "--out", str(tmp_path), "--json")
     assert code == 0
     report = json.loads(out)
     main_ = report["main"]["B8"]
@@ -95,7 +95,7 @@ def test_bench_quick(capsys, tmp_path):
 def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
     """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table."""
     code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast", "--peers", "hf",
-                       "--out", str(tmp_path), "--threads", "1", "--json")
+                       "--out", str(tmp_path), "--json")
     assert code == 0
     row = json.loads(out)["main"]["B8"]["hf-generate"]
     assert row["tokens_per_s"] > 0 and 0 <= row["sequence_determinism"] <= 1 and "overhead" in row
@@ -104,5 +104,5 @@ def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
 
 def test_bench_vllm_peer_missing_says_how_to_install(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MARGINGATE_VLLM_PYTHON", str(tmp_path / "no-venv" / "python"))
-    code, _, err = run(capsys, "bench", "--quick", "--peers", "vllm", "--threads", "1")
+    code, _, err = run(capsys, "bench", "--quick", "--peers", "vllm")
     assert code == 2 and "make vllm-venv" in err

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from margingate.data import datasets
-from margingate.data.datasets import (DatasetUnavailable, iter_json_array, load_dataset, select)
+from margingate.data.datasets import DatasetUnavailable, iter_json_array, load_dataset, select
 from margingate.data.prompts import Prompt, PromptFileError
 
 

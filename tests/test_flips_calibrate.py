@@ -9,7 +9,6 @@ import pytest
 
 from margingate.analysis import flips as F
 from margingate.analysis.calibrate import tau_grid
-from tests.conftest import session_threads
 
 
 def _trace(tokens, topv, topi, dev=None, at_ref=None):
@@ -99,18 +98,13 @@ def test_reference_in_batch_is_decoding_alone_and_oracle_writes_reference_column
     assert np.all(row["trace"]["dev"][2] == 0)                # step 3 wrote output token 2's column
 
 
-def _threads():
-    t = session_threads()
-    return ["--threads", str(t)] if t else []
-
-
 def test_flips_command_end_to_end(tmp_path):
     from margingate.cli import main
 
     out = tmp_path / "flips"
     argv = ["flips", "--dataset", "builtin", "--limit", "2", "--max-new-tokens", "8", "--batch-sizes", "2",
             "--homo-sizes", "2", "--homo-limit", "1", "--oracle-sizes", "2", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *_threads()]
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
     assert main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["table1_flip_rate"]["hetero"]["2"]["runs"] == 2
@@ -131,7 +125,7 @@ def test_calibrate_command_end_to_end(tmp_path):
     out, prof = tmp_path / "cal", tmp_path / "profiles"
     argv = ["calibrate", "--dataset", "builtin", "--limit", "2", "--max-new-tokens", "8", "--batch-sizes", "2",
             "--taus", "0.25,0.5", "--transfer", "builtin", "--quiet", "--cache-dir", str(tmp_path / "cache"),
-            "--profile-dir", str(prof), "--out", str(out), *_threads()]
+            "--profile-dir", str(prof), "--out", str(out)]
     assert main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert [r["tau"] for r in rep["table7_frontier"]][0] == 0.25

@@ -1,8 +1,7 @@
-"""Row-independence of the kernels the determinism contract rests on, and the KV cache
-and rollback bookkeeping beneath the policies."""
+"""Row-independence of whole forwards (verifier passes, prompt prefills in any split), and
+the KV cache and rollback bookkeeping beneath the policies. The kernels' own row tests are
+in `test_kernels.py`."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -11,71 +10,7 @@ from margingate.engine.policy import VerifyJob
 from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
 from margingate.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, Linear
-
-LAYER0 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MAX_ROWS = 17
-
-
-@pytest.fixture(scope="module")
-def weights(llm):
-    """Layer 0's projections and the lm_head, bf16, as the model holds them."""
-    w = llm.model.weights(torch.bfloat16)
-    return {**{name: w["layers"][0][name] for name in LAYER0}, "lm_head": w["lm_head"]}
-
-
-def rows_for(w: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(MAX_ROWS, w.shape[1], generator=g).to(dtype)
-
-
-# --- Linear ------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["1-thread", "all-cores"])
-def threads(request):
-    """Run a test at 1 torch thread and at all cores (GEMMs split work by thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1 if request.param == "1-thread" else os.cpu_count() or 1)
-    yield torch.get_num_threads()
-    torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("name", [*LAYER0, "lm_head"])
-def test_linear_bf16_rows_independent(weights, name, threads):
-    """bf16 `Linear.apply`: a row computed alone equals, bitwise, the same row inside
-    batches of 2..17 rows (at the batch's start and at its end)."""
-    w = weights[name]
-    x = rows_for(w, torch.bfloat16)
-    alone = torch.cat([Linear.apply(x[i:i + 1], w, None, rowwise=False) for i in range(MAX_ROWS)])
-    for n in range(2, MAX_ROWS + 1):
-        head = Linear.apply(x[:n], w, None, rowwise=False)
-        tail = Linear.apply(x[MAX_ROWS - n:], w, None, rowwise=False)
-        assert torch.equal(head, alone[:n]), f"{name}: batch of {n} (rows 0..{n - 1})"
-        assert torch.equal(tail, alone[MAX_ROWS - n:]), f"{name}: batch of {n} (last rows)"
-
-
-def test_linear_bf16_rows_independent_with_bias(weights, threads):
-    """The same with a bias (Qwen2's q/k/v carry one)."""
-    w = weights["q_proj"]
-    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    x = rows_for(w, torch.bfloat16)
-    alone = torch.cat([Linear.apply(x[i:i + 1], w, b, rowwise=False) for i in range(MAX_ROWS)])
-    for n in range(2, MAX_ROWS + 1):
-        assert torch.equal(Linear.apply(x[:n], w, b, rowwise=False), alone[:n]), f"batch of {n}"
-
-
-@pytest.mark.parametrize("name", [*LAYER0, "lm_head"])
-def test_linear_fp32_rowwise_rows_independent(weights, name):
-    """fp32 with `rowwise=True` (the fp32 verifier): a row alone equals the row inside
-    batches of 2..17, bitwise. (Plain fp32 GEMM rows do not promise this.)"""
-    w = weights[name].float()
-    x = rows_for(w, torch.float32)
-    alone = torch.cat([Linear.apply(x[i:i + 1], w, None, rowwise=True) for i in range(MAX_ROWS)])
-    sizes = range(2, MAX_ROWS + 1) if name != "lm_head" else (2, 5, MAX_ROWS)  # lm_head rows are slow
-    for n in sizes:
-        assert torch.equal(Linear.apply(x[:n], w, None, rowwise=True), alone[:n]), f"{name}: batch of {n}"
-
+from margingate.models.llama import AttentionPlan
 
 # --- KVCache -----------------------------------------------------------------------
 
@@ -172,7 +107,7 @@ def new_cache(model, slots: int, max_len: int = 192) -> KVCache:
 
 def prefill(model, kv: KVCache, slot: int, ids: list[int]) -> None:
     n = len(ids)
-    model.forward(torch.tensor(ids), torch.arange(n), torch.full((n,), slot), AttentionPlan(prefill=True), kv,
+    model.forward(torch.tensor(ids), torch.arange(n), torch.full((n,), slot), AttentionPlan.all_exact(n), kv,
                   logits_rows=slice(n - 1, n))
 
 
@@ -252,3 +187,69 @@ def test_runner_verify_jobs_equal_one_at_a_time(llm, chunk_case):
     assert out[0].shape[0] == 5 and torch.equal(out[1], c["logits"])
     got = columns(kv, 1, p, p + k)
     assert torch.equal(got[0], c["kv"][0]) and torch.equal(got[1], c["kv"][1])
+
+
+# --- prefill in any split -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_whole(llm, prompts):
+    """One prompt prefilled whole, alone: its K/V and its last row's logits."""
+    ids = llm.tokenizer.encode_prompt(prompts[1])
+    kv = new_cache(llm.model, 1)
+    n = len(ids)
+    logits = llm.model.forward(torch.tensor(ids), torch.arange(n), torch.zeros(n, dtype=torch.long),
+                               AttentionPlan.all_exact(n), kv, logits_rows=slice(n - 1, n))
+    return ids, columns(kv, 0, 0, n), logits[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 33])
+def test_prompt_kv_equal_whole_chunked_token_by_token(llm, prompt_whole, chunk):
+    """The prompt fed in chunks of 1 (token by token), 7, 32 and 33 positions, each chunk one
+    forward beside another request's rows, into another slot: the same K/V at every position
+    and the same last logits, bitwise, as the whole prompt prefilled alone."""
+    ids, (k_whole, v_whole), last = prompt_whole
+    model, n = llm.model, len(ids)
+    kv = new_cache(model, 3)
+    other = ids[::-1][:5]
+    prefill(model, kv, 0, other)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        tokens = [other[start % 5]] + ids[start:end]  # a neighbour's decode row first
+        positions = [5 + start] + list(range(start, end))
+        slots = [0] + [2] * (end - start)
+        logits = model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
+                               AttentionPlan.all_exact(len(tokens)), kv)
+    k, v = columns(kv, 2, 0, n)
+    assert torch.equal(k, k_whole) and torch.equal(v, v_whole)
+    assert torch.equal(logits[-1], last)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+def test_engine_batched_and_chunked_prefill_equal_alone(llm, prompts, prefill_chunk):
+    """Engine level: four prompts admitted together (one batched prefill; or chunked by 5
+    positions per step, sharing steps with decode rows) under `reference` give each prompt's
+    K/V and tokens, bitwise, as that prompt alone with whole-prompt prefill."""
+    from margingate.engine import Engine, EngineConfig, Request
+
+    picks = [prompts[i] for i in (0, 9, 21, 33)]
+    ids = [llm.tokenizer.encode_prompt(p) for p in picks]
+    make = lambda: llm.policy("reference")  # noqa: E731
+
+    def run(engine, requests):
+        seqs = [engine.add_request(r) for r in requests]
+        kvs = {}
+        while engine.has_work:
+            for s in seqs:  # the prompt's K/V, read as soon as its prefill completes
+                if s.prefilled == s.prompt_len and s.request_id not in kvs:
+                    kvs[s.request_id] = columns(engine.kv, s.slot, 0, s.prompt_len)
+            engine.step()
+        return [s.output_ids for s in seqs], [kvs[s.request_id] for s in seqs]
+
+    alone = [run(Engine(llm.model, EngineConfig(max_batch_size=1), make), [Request(x, 12, make())]) for x in ids]
+    # Chunked, the shorter prompts finish first and decode beside the longer ones' chunks.
+    engine = Engine(llm.model, EngineConfig(max_batch_size=4, prefill_chunk=prefill_chunk), make)
+    tokens, kvs = run(engine, [Request(x, 12, make()) for x in ids])
+    for i, ((a_tokens,), ((a_k, a_v),)) in enumerate(alone):
+        assert tokens[i] == a_tokens, f"prompt {i}: tokens"
+        assert torch.equal(kvs[i][0], a_k) and torch.equal(kvs[i][1], a_v), f"prompt {i}: K/V"

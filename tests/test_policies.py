@@ -65,7 +65,8 @@ def test_deferred_margin_shares_passes(llm, ids, ref):
 
     seq = engine.add_request(Request(ids[0], TOKENS, llm.policy("margin", tau=1e9, defer=4), ignore_eos=True,
                                      request_id="held"))
-    engine.step()  # prefill + first decode step: its token is flagged (tau huge) and held
+    engine.step()  # prefill: the first token
+    engine.step()  # the first decode step: its token is flagged (tau huge) and held
     assert seq.flagged and seq.policy.releasable(seq) < len(seq.output_ids)
     while engine.has_work:
         engine.step()

@@ -377,15 +377,15 @@ def test_queue_full_gets_429_with_retry_after(llm):
 
 def test_engine_fault_fails_its_requests_and_keeps_serving(server, http, monkeypatch):
     runner, calls = server.engine.runner, {"n": 0}
-    real_prefill = runner.prefill
+    real_step = runner.step
 
-    def flaky_prefill(seq):
+    def flaky_step(prefills, decodes):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == 1:  # the first forward: the prompt's
             raise RuntimeError("injected fault")
-        return real_prefill(seq)
+        return real_step(prefills, decodes)
 
-    monkeypatch.setattr(runner, "prefill", flaky_prefill)
+    monkeypatch.setattr(runner, "step", flaky_step)
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "deterministic": True}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
@@ -398,15 +398,15 @@ def test_engine_fault_fails_its_requests_and_keeps_serving(server, http, monkeyp
 
 def test_engine_fault_mid_stream_sends_error_event(server, http, monkeypatch):
     runner, calls = server.engine.runner, {"n": 0}
-    real_decode = runner.decode
+    real_step = runner.step
 
-    def flaky_decode(seqs):
+    def flaky_step(prefills, decodes):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 3:  # a decode step, after tokens went out
             raise RuntimeError("injected decode fault")
-        return real_decode(seqs)
+        return real_step(prefills, decodes)
 
-    monkeypatch.setattr(runner, "decode", flaky_decode)
+    monkeypatch.setattr(runner, "step", flaky_step)
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 12, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         events = sse_events(r)

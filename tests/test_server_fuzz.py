@@ -14,7 +14,8 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 hypothesis = pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from margingate.engine import Engine, EngineConfig  # noqa: E402
 from margingate.policies import POLICIES, REPAIRS  # noqa: E402

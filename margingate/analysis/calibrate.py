@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from ..policies import FastPolicy, MarginPolicy
-from .flips import (Runner, _f, batches, cache_dir_of, delta_stats, judge, load_prompts, margins,
-                    step_samples)
+from .flips import Runner, _f, batches, cache_dir_of, delta_stats, judge, load_prompts, margins, step_samples
 from .flips import add_run_args as _add_run_args
 
 

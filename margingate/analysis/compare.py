@@ -19,7 +19,7 @@ class Judgement:
     synchronous_steps: int      # decode steps up to and including the first divergence
 
     @classmethod
-    def of(cls, ref: list[int], out: list[int]) -> "Judgement":
+    def of(cls, ref: list[int], out: list[int]) -> Judgement:
         d = first_divergence(ref, out)
         # token 0 comes from the prefill (shared by every policy); decode steps produce tokens 1..
         steps = max(len(ref), len(out)) - 1 if d is None else max(d, 1)

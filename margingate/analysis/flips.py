@@ -28,17 +28,17 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kernels import VERSION as KERNELS_VERSION
 from ..engine import Request
 from ..engine.sequence import Sequence
+from ..kernels import VERSION as KERNELS_VERSION
 from ..policies import FastPolicy, ReferencePolicy
 from .compare import Judgement
 

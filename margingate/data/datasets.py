@@ -30,9 +30,9 @@ from __future__ import annotations
 import gzip
 import json
 import random
+from collections.abc import Callable
 from importlib import util
 from pathlib import Path
-from typing import Callable
 
 from .prompts import Prompt, PromptFileError, builtin_prompts, load_prompts_file
 

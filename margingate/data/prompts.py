@@ -12,10 +12,10 @@ Any other keys (e.g. "category") are ignored.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterable
 
 _ROLES = ("system", "user", "assistant")
 _FORMS = ("prompt", "messages", "text")

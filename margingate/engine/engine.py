@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm

@@ -19,7 +19,7 @@ class Request:
     """What a caller submits. `prompt_ids` are already tokenized."""
     prompt_ids: list[int]
     max_new_tokens: int = 128
-    policy: "Policy | None" = None        # None: the engine's default policy
+    policy: Policy | None = None        # None: the engine's default policy
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS tokens
     ignore_eos: bool = False
     request_id: str | None = None
@@ -53,7 +53,7 @@ class Result:
 @dataclass(eq=False)  # identity: two requests are never the same sequence
 class Sequence:
     request: Request
-    policy: "Policy"
+    policy: Policy
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -63,7 +63,7 @@ class Sequence:
     canonical_len: int = 0
     released: int = 0                      # output tokens already handed to the caller
     finish_reason: str | None = None
-    kv: "KVCache | None" = None           # set by the engine: the cache holding this request's slot
+    kv: KVCache | None = None           # set by the engine: the cache holding this request's slot
     pending: Any = None                    # a policy's scratch between propose and commit
     # positions whose token a gate flagged (low margin) and that still wait for the verifier
     flagged: set[int] = field(default_factory=set)

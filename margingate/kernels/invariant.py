@@ -80,3 +80,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ops().silu_mul(gate_up.contiguous())
+
+
+if __name__ == "__main__":  # `python -m margingate.kernels.invariant`: build now (make venv does)
+    ops()
+    print(f"margingate invariant kernels ready in {build_dir()}")

@@ -24,7 +24,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, raw: dict, name: str) -> "ModelConfig":
+    def from_hf(cls, raw: dict, name: str) -> ModelConfig:
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id", [])
         eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()

@@ -36,7 +36,7 @@ class AttentionPlan:
     batched: list[int] = field(default_factory=list)
 
     @classmethod
-    def all_exact(cls, n: int) -> "AttentionPlan":
+    def all_exact(cls, n: int) -> AttentionPlan:
         return cls(exact=list(range(n)))
 
 

@@ -32,5 +32,6 @@ def make_policy(name: str, *, tau: float | None = None, repair: str = "replay",
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "REPAIRS", "DEFAULT_DEFER", "DEFAULT_TAU", "DEFAULT_WINDOW", "DEFAULT_GROUP", "Policy", "make_policy", "BatchInvariantPolicy",
-           "DVRPolicy", "FastPolicy", "LayerCastPolicy", "MarginPolicy", "ReferencePolicy", "VerifyAllPolicy"]
+__all__ = ["DEFAULT_DEFER", "DEFAULT_GROUP", "DEFAULT_TAU", "DEFAULT_WINDOW", "POLICIES", "REPAIRS",
+           "BatchInvariantPolicy", "DVRPolicy", "FastPolicy", "LayerCastPolicy", "MarginPolicy", "Policy",
+           "ReferencePolicy", "VerifyAllPolicy", "make_policy"]

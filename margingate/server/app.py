@@ -21,11 +21,13 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -35,8 +37,16 @@ from ..data.prompts import Prompt
 from ..engine import Engine, Request, Result
 from ..engine.policy import Policy
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (OPENAI_FINISH, BadRequest, ChatCompletionRequest, CompletionRequest, error_body, finite,
-                       parse_json_body, validation_message)
+from .protocol import (
+    OPENAI_FINISH,
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    finite,
+    parse_json_body,
+    validation_message,
+)
 from .worker import EngineWorker, Handle, QueueFull, ShuttingDown
 
 log = logging.getLogger("margingate.server")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
