@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..engine import Request
 from ..llm import LLM
+from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
 
 # name -> (policy name, options); "protected" requests get it, the rest run `fast`.
@@ -229,6 +230,8 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         bench = Bench(llm, progress, references, in_process)
         report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup,
                                                 external)
+        if b == max(batch_sizes) and len(prompts_ids) >= b:
+            report["pass_profile"] = pass_profile(llm, prompts_ids, repeats=max(3, repeats))
         bench.peers = {}  # the protected-share sweep is about our policies only
         if protected_shares and b == min(batch_sizes):
             sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
@@ -248,7 +251,8 @@ def markdown(report: dict) -> str:
     parts = [f"# margingate bench\n\n{report['prompts']} prompts ({report.get('workload') or 'prompts'}) x "
              f"{report['max_new_tokens']} tokens (EOS ignored), median of {report['repeats']} after "
              f"{report['warmup']} warm-up on one batch; {env.get('model')} on {env.get('device')} "
-             f"({env.get('cpu', '?')}), torch {env.get('torch')}, {env.get('num_threads')} threads, "
+             f"({env.get('cpu', '?')}; {', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), torch {env.get('torch')}, "
+             f"{env.get('num_threads')} threads, kernels v{env.get('kernels_version')}, "
              f"tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
@@ -259,6 +263,8 @@ def markdown(report: dict) -> str:
             parts.append(f"`fast` throughput over the peers at B={key[1:]}: {ratios}. Peers are judged against "
                          "themselves decoding each prompt alone; HF runs static groups of B (no continuous "
                          "batching).")
+    if report.get("pass_profile"):
+        parts.append(format_profile(report["pass_profile"]))
     for share, summary in report.get("protected_sweep", {}).items():
         parts.append(format_table(f"protected share {float(share):.0%} (the rest: fast)", summary))
     return "\n\n".join(parts) + "\n"

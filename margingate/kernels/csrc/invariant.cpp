@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,7 +35,24 @@ inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exact
 }
 
 inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+inline __m256 load8(const bf16* p) { return bf16x8(reinterpret_cast<const uint16_t*>(p)); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// fp32 -> bf16, round to nearest even, NaN -> 0x7fc0: the same bits as c10::BFloat16(float).
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(bf16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v)); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Round to bf16 and back: what a bf16 intermediate holds.
+inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+}
 
 inline float hsum(__m256 v) {  // fixed tree: (lo + hi), then pairs, then the last two
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -93,7 +111,8 @@ std::vector<float> rows_fp32(const at::Tensor& x, int64_t kp) {
     for (int64_t i = 0; i < m; ++i) std::memcpy(&out[i * kp], src + i * k, k * sizeof(float));
   } else {
     const bf16* src = x.data_ptr<bf16>();
-    for (int64_t i = 0; i < m * k; ++i) out[(i / k) * kp + i % k] = static_cast<float>(src[i]);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) out[i * kp + j] = static_cast<float>(src[i * k + j]);
   }
   return out;
 }
@@ -101,26 +120,26 @@ std::vector<float> rows_fp32(const at::Tensor& x, int64_t kp) {
 // ---- linear: y = x W^T + b ----------------------------------------------------
 // One tile: MR rows of x against NR rows of W. Every (row, column) pair has its own
 // accumulator, so neither MR nor NR changes any element's reduction.
-template <int MR, int NR>
-void tile(const float* x, int64_t kp, const uint16_t* w, int64_t k, float* out, int64_t ldo) {
+template <int MR, int NR, typename W>
+void tile(const float* x, int64_t kp, const W* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t kfull = k & ~int64_t(7);
   for (int64_t c = 0; c < kfull; c += 8) {
     __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = bf16x8(w + j * k + c);
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + c);
     for (int i = 0; i < MR; ++i) {
       __m256 xv = _mm256_loadu_ps(x + i * kp + c);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   if (kfull < k) {  // tail of the reduction: zero-padded W, x is already padded
-    alignas(32) uint16_t pad[8];
+    alignas(32) W pad[8];
     for (int j = 0; j < NR; ++j) {
       std::memset(pad, 0, sizeof(pad));
-      std::memcpy(pad, w + j * k + kfull, (k - kfull) * sizeof(uint16_t));
-      __m256 wv = bf16x8(pad);
+      std::memcpy(pad, w + j * ldw + kfull, (k - kfull) * sizeof(W));
+      __m256 wv = load8(pad);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * kp + kfull), wv, acc[i][j]);
     }
@@ -129,31 +148,38 @@ void tile(const float* x, int64_t kp, const uint16_t* w, int64_t k, float* out, 
     for (int j = 0; j < NR; ++j) out[i * ldo + j] = hsum(acc[i][j]);
 }
 
-template <int MR, int NR>
-void columns(const float* x, int64_t kp, const uint16_t* w, int64_t k, float* out, int64_t ldo,
-             int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<MR, NR>(x, kp, w + n * k, k, out + n, ldo);
-  for (; n < n1; ++n) tile<MR, 1>(x, kp, w + n * k, k, out + n, ldo);
+template <int MR, int NR, typename W>
+void columns(const float* x, int64_t kp, const W* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+             int64_t ncols) {
+  int64_t n = 0;
+  for (; n + NR <= ncols; n += NR) tile<MR, NR>(x, kp, w + n * ldw, ldw, k, out + n, ldo);
+  for (; n < ncols; ++n) tile<MR, 1>(x, kp, w + n * ldw, ldw, k, out + n, ldo);
 }
 
-// Columns [n0, n1) for rows [0, m): W's rows stay in cache while row tiles pass.
+// Columns [0, ncols) of W (row stride ldw) against every row of x.
+template <typename W>
+void sweep_rows(const float* x, int64_t m, int64_t kp, const W* w, int64_t ldw, int64_t k, float* out,
+                int64_t ldo, int64_t ncols) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) columns<4, 3>(x + i * kp, kp, w, ldw, k, out + i * ldo, ldo, ncols);
+  const float* xt = x + i * kp;
+  float* ot = out + i * ldo;
+  switch (m - i) {
+    case 3: columns<3, 4>(xt, kp, w, ldw, k, ot, ldo, ncols); break;
+    case 2: columns<2, 6>(xt, kp, w, ldw, k, ot, ldo, ncols); break;
+    case 1: columns<1, 12>(xt, kp, w, ldw, k, ot, ldo, ncols); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kNB = 12;  // columns per sweep over the row tiles
+
+// Columns [n0, n1) for rows [0, m): a block of W's rows stays in cache while the row tiles
+// pass. (Widening the block to fp32 once per sweep was measured slower here.)
 void linear_block(const float* x, int64_t m, int64_t kp, const uint16_t* w, int64_t k, float* out,
                   int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int64_t kNB = 12;  // columns per sweep over the row tiles
-  for (int64_t nb = n0; nb < n1; nb += kNB) {
-    const int64_t ne = std::min(nb + kNB, n1);
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) columns<4, 3>(x + i * kp, kp, w, k, out + i * ldo, ldo, nb, ne);
-    const float* xt = x + i * kp;
-    float* ot = out + i * ldo;
-    switch (m - i) {
-      case 3: columns<3, 4>(xt, kp, w, k, ot, ldo, nb, ne); break;
-      case 2: columns<2, 6>(xt, kp, w, k, ot, ldo, nb, ne); break;
-      case 1: columns<1, 12>(xt, kp, w, k, ot, ldo, nb, ne); break;
-      default: break;
-    }
-  }
+  for (int64_t nb = n0; nb < n1; nb += kNB)
+    sweep_rows(x, m, kp, w + nb * k, k, k, out + nb, ldo, std::min(kNB, n1 - nb));
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -164,20 +190,36 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear: weight must be bf16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: x bf16 or fp32");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kp = (k + 7) & ~int64_t(7);
+  std::vector<float> bias_f;
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "linear: bias size");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+  }
   std::vector<float> xf = rows_fp32(x, kp);
-  at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
-  float* out = acc.data_ptr<float>();
+  at::Tensor out = at::empty({m, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  std::vector<float> scratch(fp32_out ? 0 : m * n);
+  float* acc = fp32_out ? out.data_ptr<float>() : scratch.data();
   const uint16_t* wp = u16(w);
   // Grain: enough columns that a task is worth a thread, whatever m is.
   const int64_t grain = std::max<int64_t>(12, (int64_t(1) << 16) / std::max<int64_t>(1, m * k / 8));
   at::parallel_for(0, (n + 11) / 12, std::max<int64_t>(1, grain / 12), [&](int64_t b, int64_t e) {
-    linear_block(xf.data(), m, kp, wp, k, out, n, b * 12, std::min(e * 12, n));
+    const int64_t n0 = b * 12, n1 = std::min(e * 12, n);
+    linear_block(xf.data(), m, kp, wp, k, acc, n, n0, n1);
+    for (int64_t i = 0; i < m; ++i) {  // bias (fp32, after the sum), then the output rounding
+      float* row = acc + i * n;
+      if (!bias_f.empty())
+        for (int64_t j = n0; j < n1; ++j) row[j] += bias_f[j];
+      if (!fp32_out) {
+        bf16* o = out.data_ptr<bf16>() + i * n;
+        int64_t j = n0;
+        for (; j + 8 <= n1; j += 8) store8(o + j, _mm256_loadu_ps(row + j));
+        for (; j < n1; ++j) o[j] = static_cast<bf16>(row[j]);
+      }
+    }
   });
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    acc.add_(bias->to(at::kFloat));  // elementwise: the same rounding for every row
-  }
-  return fp32_out ? acc : acc.to(at::kBFloat16);
+  return out;
 }
 
 // ---- attention --------------------------------------------------------------------
@@ -311,21 +353,34 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // gate_up: [N, 2I] (gate | up) -> silu(gate) * up, [N, I]; silu rounded to the dtype first
 // (as Hugging Face's act_fn(gate) * up).
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
-  alignas(32) float g[8];
+  constexpr bool kBf16 = std::is_same<T, bf16>::value;
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gu + r * 2 * inter;
     const T* up = gate + inter;
+    T* o = out + r * inter;
     for (int64_t i = 0; i < inter; i += 8) {
+      alignas(32) T g[8] = {}, u[8] = {}, res[8];
       const int64_t c = std::min<int64_t>(8, inter - i);
-      for (int64_t j = 0; j < 8; ++j) g[j] = j < c ? static_cast<float>(gate[i + j]) : 0.0f;
-      __m256 gv = _mm256_load_ps(g);
-      __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-      _mm256_store_ps(g, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-      for (int64_t j = 0; j < c; ++j)
-        out[r * inter + i + j] = static_cast<T>(static_cast<float>(static_cast<T>(g[j])) *
-                                                static_cast<float>(up[i + j]));
+      const bool full = c == 8;
+      if (!full) {  // the tail goes through the same vector code, zero-padded
+        std::memcpy(g, gate + i, c * sizeof(T));
+        std::memcpy(u, up + i, c * sizeof(T));
+      }
+      __m256 s = silu8(load8(full ? gate + i : g));
+      if (kBf16) s = round_bf16(s);
+      const __m256 prod = _mm256_mul_ps(s, load8(full ? up + i : u));
+      if (full) {
+        store8(o + i, prod);
+      } else {
+        store8(res, prod);
+        std::memcpy(o + i, res, c * sizeof(T));
+      }
     }
   }
 }
