@@ -32,7 +32,7 @@ def test_check_margin_is_deterministic(capsys):
                        "--max-new-tokens", "12", "--json", "--threads", "2")  # the flag is recorded
     assert code == 0
     report = json.loads(out)
-    for key in ("policy", "runs", "sequence_determinism", "flip_rate", "trigger_rate", "repair_rate",
+    for key in ("policy", "runs", "sequence_determinism", "flip_rate", "trigger_rate", "repair_rate", "tokens_sha256",
                 "per_batch_size"):
         assert key in report
     assert report["sequence_determinism"] == 1.0 and report["flip_rate"] == 0.0
@@ -78,13 +78,17 @@ def test_missing_model_folder(capsys, tmp_path):
     assert code == 2 and "no-model" in err
 
 
-def test_bench_quick(capsys, tmp_path):
-    """bench --quick runs the policies side by side and writes JSON, markdown and a plot."""
-    code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast,margin,dvr",
+SMALL_BENCH = ("--limit", "4", "--max-new-tokens", "16", "--batch-sizes", "4", "--repeats", "1", "--warmup", "0",
+               "--no-pass-profile")
+
+
+def test_bench_small(capsys, tmp_path):
+    """bench runs the policies side by side and writes JSON, markdown and a plot."""
+    code, out, _ = run(capsys, "bench", *SMALL_BENCH, "--policies", "fast,margin,dvr",
                        "--out", str(tmp_path), "--json")
     assert code == 0
     report = json.loads(out)
-    main_ = report["main"]["B8"]
+    main_ = report["main"]["B4"]
     assert set(main_) == {"fast", "margin", "dvr"}
     assert main_["margin"]["sequence_determinism"] == 1.0 and main_["dvr"]["sequence_determinism"] == 1.0
     assert "increment_ratio_over_margin" in main_["dvr"] or main_["margin"]["overhead"] <= 0
@@ -94,10 +98,10 @@ def test_bench_quick(capsys, tmp_path):
 
 def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
     """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table."""
-    code, out, _ = run(capsys, "bench", "--quick", "--policies", "fast", "--peers", "hf",
+    code, out, _ = run(capsys, "bench", *SMALL_BENCH, "--policies", "fast", "--peers", "hf",
                        "--out", str(tmp_path), "--json")
     assert code == 0
-    row = json.loads(out)["main"]["B8"]["hf-generate"]
+    row = json.loads(out)["main"]["B4"]["hf-generate"]
     assert row["tokens_per_s"] > 0 and 0 <= row["sequence_determinism"] <= 1 and "overhead" in row
     assert "hf-generate" in (tmp_path / "report.md").read_text()
 

@@ -211,7 +211,8 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
               max_new_tokens: int, repeats: int, warmup: int, protected_shares: list[float],
-              out: Path | None, progress: bool = True, peers: dict | None = None, workload: str = "") -> dict:
+              out: Path | None, progress: bool = True, peers: dict | None = None, workload: str = "",
+              profile_passes: bool = True) -> dict:
     report = {"workload": workload, "max_new_tokens": max_new_tokens, "prompts": len(prompts_ids),
               "repeats": repeats, "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {},
               "peers": {}}
@@ -230,7 +231,7 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         bench = Bench(llm, progress, references, in_process)
         report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup,
                                                 external)
-        if b == max(batch_sizes) and len(prompts_ids) >= b:
+        if profile_passes and b == max(batch_sizes) and len(prompts_ids) >= b:
             report["pass_profile"] = pass_profile(llm, prompts_ids, repeats=max(3, repeats))
         bench.peers = {}  # the protected-share sweep is about our policies only
         if protected_shares and b == min(batch_sizes):
@@ -284,7 +285,10 @@ def add_parser(sub, common) -> None:
     p.add_argument("--protected", default="", help="protected-share sweep at the smallest batch size, e.g. 0.125,0.5")
     p.add_argument("--peers", default="", help="also run hf (transformers generate) and/or vllm (needs "
                    "`make vllm-venv`) on the same prompts, e.g. hf,vllm")
-    p.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up")
+    p.add_argument("--no-pass-profile", action="store_true",
+                   help="skip timing one fast step against verifier passes at the largest batch size")
+    p.add_argument("--quick", action="store_true",
+                   help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up, no pass profile")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
     p.add_argument("--json", action="store_true")
     common.add_model_args(p)
@@ -298,6 +302,7 @@ def _cmd(args, common) -> None:
         raise ValueError(f"unknown bench policy {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     if args.quick:
         args.limit, args.max_new_tokens, args.batch_sizes, args.repeats, args.warmup = 8, 32, [8], 1, 0
+        args.no_pass_profile = True
     peer_names = [x.strip() for x in args.peers.split(",") if x.strip()]
     if any(n not in PEERS for n in peer_names):
         raise ValueError(f"unknown peer {next(n for n in peer_names if n not in PEERS)!r} "
@@ -323,5 +328,6 @@ def _cmd(args, common) -> None:
     peers = make_peers(peer_names, llm.folder, llm.engine.num_threads)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
-                       workload=args.dataset or args.prompts_file or "built-in prompts")
+                       workload=args.dataset or args.prompts_file or "built-in prompts",
+                       profile_passes=not args.no_pass_profile)
     print(json.dumps(report) if args.json else markdown(report))

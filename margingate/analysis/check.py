@@ -8,6 +8,8 @@ with staggered arrivals; each output is compared token by token.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -90,8 +92,12 @@ class Checker:
             rows = [self._judge(i, r) for i, r in runs]
             runs_all += rows
             per[size][mode] = {**_rates(rows, self.policy_name), "seconds": round(seconds, 2)}
+        # Every output token, in run order: equal digests mean equal token ids (across thread counts).
+        outputs = [[mode, size, i, r.token_ids] for (mode, size), items in sorted(groups.items())
+                   for i, r in items if i != "time"]
+        digest = hashlib.sha256(json.dumps([self.reference, outputs]).encode()).hexdigest()
         return {"runs": len(runs_all), **_rates(runs_all, self.policy_name),
-                "reference_seconds": round(t_ref, 2),
+                "tokens_sha256": digest, "reference_seconds": round(t_ref, 2),
                 "per_batch_size": {str(k): v for k, v in sorted(per.items())}}
 
     def _judge(self, i: int, res) -> dict:
@@ -139,4 +145,7 @@ def format_table(report: dict) -> str:
     lines.append(f"{'all':>5} {'':<10} {report['runs']:>5} {pct(report['sequence_determinism']):>8} "
                  f"{report['flips']:>6} {pct(report['flip_rate']):>10} {pct(report['trigger_rate']):>8} "
                  f"{pct(report['repair_rate']):>8} {pct(report['replay_rate']):>8}")
+    env = report.get("environment", {})
+    lines.append(f"token ids sha256 {report['tokens_sha256'][:16]} (references and every run); "
+                 f"{env.get('num_threads')} threads, {env.get('cpu')} ({', '.join(env.get('cpu_isa', []))})")
     return "\n".join(lines)

@@ -44,8 +44,6 @@ class Policy:
     name = "base"
     #: decode rows through the invariant kernels, attention over exactly their own prefix
     invariant_decode = False
-    #: prompt rows through the invariant kernels (canonical K/V, the ground a verifier replays on)
-    invariant_prefill = True
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
 

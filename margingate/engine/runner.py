@@ -4,7 +4,7 @@ A forward is a list of spans: consecutive positions of one request fed in one go
 (a prompt chunk, one decode position, a verifier window). Each span's rows attend
 exactly (the invariant kernel) unless they are a decode row whose policy takes the
 batched fast path, and the forward runs the invariant Linear/norm kernels as soon
-as one span needs them.
+as one span needs them (prompt chunks and verifier windows always do).
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ class Runner:
         Returns, in that order, fp32 logits for each: a prompt chunk's last row if it ends
         the prompt (else None), each decode row's. Decode rows whose policy computes in
         another dtype (LayerCast) run in their own forward."""
-        spans = [Span(s, a, b, exact=True, invariant=s.policy.invariant_prefill, want=int(b == s.prompt_len))
-                 for s, a, b in prefills]
+        # Prompts always go through the invariant kernels: a prompt's K/V is then the same
+        # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
+        spans = [Span(s, a, b, exact=True, invariant=True, want=int(b == s.prompt_len)) for s, a, b in prefills]
         spans += [Span(s, s.next_pos, s.next_pos + 1, exact=s.policy.invariant_decode,
                        invariant=s.policy.invariant_decode) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]

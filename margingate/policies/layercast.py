@@ -13,4 +13,3 @@ from ..engine.policy import Policy
 class LayerCastPolicy(Policy):
     name = "layercast"
     compute_dtype = torch.float32
-    invariant_prefill = False
