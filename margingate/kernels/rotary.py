@@ -1,0 +1,50 @@
+"""Rotary position embedding: the cos/sin tables and the rotation (Hugging Face's layout).
+
+Both are per position and elementwise, so a position's bits never depend on the forward
+it arrives in: the tables are computed once per position, the rotation rounds each op once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class RotaryTable:
+    """cos/sin of every position, each value computed on its own (Python's libm, double, then
+    rounded to fp32): a position's entry never depends on how many positions a forward holds
+    or on the thread count (a vectorized library cos treats a tensor's tail differently)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        self.inv_freq = (1.0 / (theta ** exponents)).tolist()
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.size = 0
+
+    def _grow(self, n: int) -> None:
+        size = max(256, 1 << (n - 1).bit_length())
+        angles = (torch.arange(size, dtype=torch.float32)[:, None] * torch.tensor(self.inv_freq)[None, :]).tolist()
+        cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float32)
+        sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float32)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        self.tables = {torch.float32: (cos, sin)}
+        self.size = size
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, D] cos and sin for these positions, in `dtype` (the fp32 table cast once)."""
+        top = int(positions.max()) + 1
+        if top > self.size:
+            self._grow(top)
+        if dtype not in self.tables:
+            cos, sin = self.tables[torch.float32]
+            self.tables[dtype] = (cos.to(dtype), sin.to(dtype))
+        cos, sin = self.tables[dtype]
+        return cos[positions][:, None], sin[positions][:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]. Rotates the two halves of each head (HF layout). Elementwise ops
+    only, each rounded once: the same bits for a position in any forward."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,180 @@
+"""The model's weights as a structure: an explicit map from Hugging Face tensor names to ours.
+
+Each of our tensors is one or more Hugging Face tensors concatenated along the output
+dimension, in the order the forward splits them again (q|k|v, gate|up). Which tensors a
+model needs is decided by its architecture and config (`attention_bias`, `tie_embeddings`),
+never guessed from the names a folder happens to hold: a missing tensor, one the forward
+would not read, or one of the wrong shape is refused with its name and the folder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+class WeightsError(ValueError):
+    """A checkpoint's tensors do not match what its config.json says the model is."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    attention_bias: bool | None  # fixed by the architecture; None: config.json's `attention_bias` (default false)
+    biased: tuple[str, ...]      # our projections that carry a bias when attention_bias holds
+
+
+ARCHITECTURES = {  # as transformers builds them
+    "LlamaForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj")),
+    "MistralForCausalLM": Architecture(attention_bias=False, biased=()),
+    "Qwen2ForCausalLM": Architecture(attention_bias=True, biased=("qkv",)),
+}
+
+# Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.
+LAYER_MAP = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+    "input_layernorm": ("input_layernorm",),
+    "post_attention_layernorm": ("post_attention_layernorm",),
+}
+MODEL_MAP = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+# Buffers older checkpoints carry that the forward recomputes: read past, never used.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_proj_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down_proj: torch.Tensor
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+
+    def to(self, dtype: torch.dtype) -> LayerWeights:
+        return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)})
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding matrix itself when the model ties them
+    layers: list[LayerWeights]
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is self.embed
+
+    def to(self, dtype: torch.dtype) -> ModelWeights:
+        embed = _cast(self.embed, dtype)
+        return ModelWeights(embed=embed, norm=_cast(self.norm, dtype),
+                            lm_head=embed if self.tied else _cast(self.lm_head, dtype),
+                            layers=[layer.to(dtype) for layer in self.layers])
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+# --- the map ---------------------------------------------------------------------------------
+
+
+def weight_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Every tensor the model is made of: our key ("embed", "layers.3.qkv", "layers.3.qkv.bias")
+    -> the Hugging Face names it is concatenated from, in order."""
+    arch = ARCHITECTURES[config.architecture]
+    names = {"embed": (MODEL_MAP["embed"] + ".weight",), "norm": (MODEL_MAP["norm"] + ".weight",)}
+    if not config.tie_embeddings:
+        names["lm_head"] = (MODEL_MAP["lm_head"] + ".weight",)
+    for i in range(config.num_layers):
+        for ours, modules in LAYER_MAP.items():
+            full = [f"model.layers.{i}.{m}" for m in modules]
+            names[f"layers.{i}.{ours}"] = tuple(m + ".weight" for m in full)
+            if config.attention_bias and ours in arch.biased:
+                names[f"layers.{i}.{ours}.bias"] = tuple(m + ".bias" for m in full)
+    return names
+
+
+def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    """The shape config.json implies for the Hugging Face tensor `name`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    module, kind = name.rsplit(".", 1)
+    module = module.rsplit(".", 1)[-1]
+    out, inp = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+                "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+                "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden)
+                }.get(module, (hidden, None))  # the norms
+    return (out,) if kind == "bias" or inp is None else (out, inp)
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # A tied model's head is the embedding, whatever the folder holds (as transformers ties it).
+    return name.endswith(IGNORED_SUFFIXES) or (config.tie_embeddings and name == MODEL_MAP["lm_head"] + ".weight")
+
+
+def _hint(name: str, config: ModelConfig) -> str:
+    if name == MODEL_MAP["lm_head"] + ".weight":
+        return "; config.json says tie_word_embeddings is false, so the model needs its own lm_head"
+    if name.endswith(tuple(f"{m}.bias" for m in LAYER_MAP["qkv"] + LAYER_MAP["o_proj"])):
+        state = "true" if config.attention_bias else "false"
+        if ARCHITECTURES[config.architecture].attention_bias is None:
+            return f"; attention_bias is {state} in config.json"
+        return f"; attention_bias is always {state} for {config.architecture}"
+    return ""
+
+
+def _more(names: list[str]) -> str:
+    if len(names) == 1:
+        return ""
+    return f" (and {len(names) - 1} more: {', '.join(names[1:4])}{', ...' if len(names) > 4 else ''})"
+
+
+def check(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> dict[str, tuple[str, ...]]:
+    """The name map of `config`, once `state` holds exactly its tensors at their shapes; else WeightsError."""
+    names = weight_names(config)
+    wanted = [n for parts in names.values() for n in parts]
+    missing = [n for n in wanted if n not in state]
+    if missing:
+        raise WeightsError(f"{missing[0]} missing in {source}{_more(missing)}{_hint(missing[0], config)}")
+    wanted_set = set(wanted)
+    unexpected = sorted(n for n in state if n not in wanted_set and not _ignored(n, config))
+    if unexpected:
+        raise WeightsError(f"{unexpected[0]} in {source} is not a weight of this {config.architecture}"
+                           f"{_more(unexpected)}{_hint(unexpected[0], config)}")
+    for n in wanted:
+        if tuple(state[n].shape) != expected_shape(config, n):
+            raise WeightsError(f"{n} in {source} has shape {list(state[n].shape)}; "
+                               f"config.json implies {list(expected_shape(config, n))}")
+    return names
+
+
+def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
+          source: str = "the given state dict") -> ModelWeights:
+    """Check `state` against the map, then fuse it into bf16 tensors on `device`."""
+    names = check(config, state, source)
+
+    def get(key: str) -> torch.Tensor | None:
+        if key not in names:
+            return None
+        parts = [state[n] for n in names[key]]
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
+
+    embed = get("embed")
+    layers = [LayerWeights(
+        qkv=get(f"layers.{i}.qkv"), qkv_bias=get(f"layers.{i}.qkv.bias"),
+        o_proj=get(f"layers.{i}.o_proj"), o_proj_bias=get(f"layers.{i}.o_proj.bias"),
+        gate_up=get(f"layers.{i}.gate_up"), down_proj=get(f"layers.{i}.down_proj"),
+        input_layernorm=get(f"layers.{i}.input_layernorm"),
+        post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
+    ) for i in range(config.num_layers)]
+    lm_head = embed if config.tie_embeddings else get("lm_head")
+    return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)
