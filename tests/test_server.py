@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from margingate.engine import Engine, EngineConfig  # noqa: E402
+from margingate.policies import DEFAULT_DEFER  # noqa: E402
 from margingate.server.app import create_app  # noqa: E402
 from margingate.server.background import BackgroundServer  # noqa: E402
 
@@ -54,7 +55,7 @@ def poll(cond, timeout: float = 60.0, every: float = 0.05) -> bool:
 
 def is_idle(srv) -> bool:
     e = srv.engine
-    return (e.kv.num_free == e.config.max_batch_size and not e.scheduler.has_work
+    return (e.load.free_slots == e.config.max_batch_size and not e.has_work
             and srv.state.worker.in_flight == 0)
 
 
@@ -81,7 +82,7 @@ def _server_idle_after(request):
     yield
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        assert poll(lambda: is_idle(srv), 60), (srv.engine.kv.num_free, srv.state.worker.in_flight)
+        assert poll(lambda: is_idle(srv), 60), (srv.engine.load, srv.state.worker.in_flight)
         assert srv.state.worker.alive
 
 
@@ -118,6 +119,7 @@ def test_completion_with_report(client):
     assert r.usage.completion_tokens == len(choice.token_ids) and r.usage.prompt_tokens > 0
     report = r.model_extra["determinism"]
     assert report["deterministic"] and report["policy"] == "margin" and report["strict"] is True
+    assert report["batch_invariant"] is True  # strict replay: the promise holds
     assert report["tau"] == report["environment"]["default_tau"]
     for key in ("triggers", "repairs", "rollbacks", "replayed_tokens", "steps"):
         assert isinstance(report[key], int)
@@ -145,6 +147,7 @@ def test_streaming_margin_defaults_to_non_strict(client):
                                             extra_body={"deterministic": True}))
     report = [c for c in chunks if c.choices[0].finish_reason][0].model_extra["determinism"]
     assert report["policy"] == "margin" and report["strict"] is False
+    assert report["batch_invariant"] is False  # released at once: no promise across batches
 
 
 def test_stop_string(client):
@@ -215,6 +218,25 @@ def test_deterministic_alone_equals_under_concurrent_streams(server, client, pro
     assert int(hist['margingate_batch_size_bucket{le="8"}']) < int(hist['margingate_batch_size_bucket{le="+Inf"}'])
 
 
+def test_determinism_options_reach_the_policy(http):
+    """`defer` is a request option; `batch_invariant` says whether these options keep the promise."""
+    def report(determinism: dict, **fields) -> dict:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "determinism": determinism, **fields}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["determinism"]
+
+    margin = report({"policy": "margin"})
+    assert margin["policy"] == "margin" and margin["strict"] is True and margin["defer"] == DEFAULT_DEFER
+    assert margin["batch_invariant"] is True and margin["deterministic"] is True
+    assert report({"policy": "margin", "defer": 0})["defer"] == 0
+    assert report({"policy": "margin", "defer": 3})["defer"] == 3
+    assert report({"policy": "margin", "strict": False})["batch_invariant"] is False
+    layercast = report({"policy": "layercast"})
+    assert layercast["policy"] == "layercast"
+    assert layercast["batch_invariant"] is False and layercast["deterministic"] is False
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -249,9 +271,12 @@ def test_malformed_bodies(http, body, status, needle):
     ({"determinism": {"tau": -1}}, "determinism.tau", "greater than or equal to 0"),
     ({"determinism": {"repair": "glue"}}, "determinism.repair", "unknown repair"),
     ({"determinism": {"window": 0}}, "determinism.window", "greater than or equal to 1"),
+    ({"determinism": {"policy": "margin", "defer": -1}}, "determinism.defer", "greater than or equal to 0"),
+    ({"determinism": {"verifier_precision": "fp8"}}, "determinism.verifier_precision", "unknown verifier precision"),
     ({"determinism": {"policy": "margin", "bogus": 1}}, "determinism.bogus", "unknown field"),
     ({"deterministic": False, "determinism": {"policy": "margin"}}, "deterministic", "contradicts"),
     ({"deterministic": True, "determinism": {"policy": "fast"}}, "determinism.policy", "batch-invariant"),
+    ({"deterministic": True, "determinism": {"policy": "layercast"}}, "determinism.policy", "promises determinism"),
     ({"deterministic": True, "temperature": 0.7}, "seed", "needs a seed"),
     ({"determinism": {"policy": "dvr"}, "temperature": 1.0}, "seed", "needs a seed"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
@@ -330,7 +355,7 @@ def test_disconnect_mid_stream_frees_slot(server, http):
         lines = r.iter_lines()
         got = [line for _, line in zip(range(6), lines)]
         assert any(line.startswith("data: ") for line in got)
-        assert server.engine.kv.num_free < server.engine.config.max_batch_size  # it holds a slot
+        assert server.engine.load.free_slots < server.engine.config.max_batch_size  # it holds a slot
     assert poll(lambda: is_idle(server), 30)
     # aborted, not run to its 400 tokens
     assert server.state.metrics.value("client_disconnects_total") == before + 1
@@ -414,26 +439,54 @@ def test_engine_fault_mid_stream_sends_error_event(server, http, monkeypatch):
     assert "injected decode fault" in events[-2]["error"]["message"]
 
 
-# --- auth ------------------------------------------------------------------------------------
+# --- auth, the server's default policy ------------------------------------------------------------
 
-def test_api_key(llm):
-    srv = make_server(llm, slots=2, api_key="s3cret")
-    try:
-        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
-            assert c.get("/health").status_code == 200  # health needs no key
-            for path in ("/v1/models", "/metrics"):
-                r = c.get(path)
-                assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
-                assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
-                assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-            assert r.status_code == 401
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0).models.list()
-        ok = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
-        assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
-    finally:
-        srv.stop()
+@pytest.fixture(scope="module")
+def keyed_server(llm):
+    """A small second server: an API key, and dvr as what `"deterministic": true` means."""
+    srv = make_server(llm, slots=2, api_key="s3cret", default_policy="dvr", default_max_tokens=4)
+    yield srv
+    srv.stop()
+
+
+def test_api_key(keyed_server):
+    srv = keyed_server
+    with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        assert c.get("/health").status_code == 200  # health needs no key
+        for path in ("/v1/models", "/metrics"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
+    assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_options_without_a_policy_take_the_server_default(keyed_server):
+    """`{"determinism": {"tau": ...}}` names no policy: it runs under the server's default (here dvr),
+    as `"deterministic": true` does; a policy named in the block still wins."""
+    auth = {"Authorization": "Bearer s3cret"}
+    with httpx.Client(base_url=keyed_server.url, timeout=TIMEOUT, headers=auth) as c:
+        card = c.get(f"/v1/models/{MODEL}").json()
+        assert card["determinism"]["default_policy"] == "dvr"
+
+        def report(**fields) -> dict:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["determinism"]
+
+        for fields in ({"determinism": {"tau": 0.3}}, {"deterministic": True},
+                       {"deterministic": True, "determinism": {"strict": True}}):
+            rep = report(**fields)
+            assert rep["policy"] == "dvr" and rep["deterministic"] is True, (fields, rep)
+            assert rep["batch_invariant"] is True
+        assert report(determinism={"policy": "margin", "tau": 0.3})["policy"] == "margin"
+        assert report()["policy"] == "fast"
+    assert poll(lambda: is_idle(keyed_server), 30)
 
 
 # --- shutdown ----------------------------------------------------------------------------------
@@ -474,7 +527,7 @@ def test_shutdown_finishes_in_flight_requests(llm):
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e.get("choices")) == 24
-    assert not srv.state.worker.alive and srv.engine.kv.num_free == 2
+    assert not srv.state.worker.alive and srv.engine.load.free_slots == 2
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.url}/health", timeout=5)
 
@@ -491,7 +544,7 @@ def test_shutdown_fails_requests_past_the_grace_cleanly(llm):
     events = out["events"]
     assert events[-1] == "[DONE]"
     assert "shutting down" in events[-2]["error"]["message"] and events[-2]["error"]["code"] == "503"
-    assert not srv.state.worker.alive and srv.engine.kv.num_free == 2 and not srv.engine.has_work
+    assert not srv.state.worker.alive and srv.engine.load.free_slots == 2 and not srv.engine.has_work
 
 
 @pytest.mark.slow
@@ -538,7 +591,7 @@ def test_text_assembler_matches_full_decode(llm, stops):
     """Incremental detokenization, in chunks of any size, gives decode(ids) cut at the first stop."""
     import random
 
-    from margingate.server.app import TextAssembler
+    from margingate.server.text import TextAssembler
 
     rng = random.Random(0)
     for text in ["Hello wörld — ünïcödé 你好世界 🎉🎉 done.\n\nNew", "Count: 1, 2, 3, 4", "a b STOP and more"]:

@@ -51,6 +51,7 @@ determinism = st.fixed_dictionaries({}, optional={
     "repair": maybe(st.sampled_from([*REPAIRS, "glue"])),
     "strict": maybe(st.booleans()),
     "verifier_precision": maybe(st.sampled_from(["bf16", "fp32", "fp8"])),
+    "defer": maybe(st.integers(-1, 2000)),
     "window": maybe(st.integers(-1, 300)),
     "group": maybe(st.integers(-1, 70)),
 })
@@ -94,7 +95,7 @@ chat_bodies = body({"messages": maybe(st.lists(message, max_size=3))})
 valid_determinism = st.fixed_dictionaries({}, optional={
     "policy": st.sampled_from(list(POLICIES)), "tau": st.floats(0, 5), "repair": st.sampled_from(REPAIRS),
     "strict": st.booleans(), "verifier_precision": st.sampled_from(["bf16", "fp32"]),
-    "window": st.integers(1, 8), "group": st.integers(1, 4)})
+    "defer": st.integers(0, 4), "window": st.integers(1, 8), "group": st.integers(1, 4)})
 valid_bodies = st.fixed_dictionaries(
     {"model": st.just(MODEL), "max_tokens": st.integers(1, 4),
      "prompt": text_prompt.filter(str.strip) | st.lists(st.integers(0, 49151), min_size=1, max_size=6)},
@@ -191,7 +192,7 @@ def test_fuzz_left_the_server_sound(server, http, reference):
     while (server.state.worker.in_flight or server.engine.has_work) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.state.worker.alive and http.get("/health").json()["status"] == "ok"
-    assert server.engine.kv.num_free == server.engine.config.max_batch_size
+    assert server.engine.load.free_slots == server.engine.config.max_batch_size
     body, tokens = reference
     assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == tokens
     metrics = http.get("/metrics").text

@@ -1,14 +1,15 @@
 """`margingate serve`: the OpenAI-compatible server (registered in margingate/cli.py)."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import ipaddress
 import os
 import signal
 import sys
 
-from ..policies import POLICIES
+from .. import args as cli
+from ..policies import deterministic_policies
+from .config import ServerConfig
 
 LOOPBACK_NAMES = {"localhost"}
 
@@ -22,46 +23,30 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= minimum, with a message naming the bound."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-    return parse
-
-
-_positive, _non_negative = _int_at_least(1), _int_at_least(0)
-
-
-def add_parser(sub, common) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with per-request determinism")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("MARGINGATE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $MARGINGATE_API_KEY)")
-    p.add_argument("--max-batch-size", type=_positive, default=16, help="KV slots = decode rows per step")
-    p.add_argument("--max-queue", type=_non_negative, default=64,
+    p.add_argument("--max-batch-size", type=cli.positive_int, default=16, help="KV slots = decode rows per step")
+    p.add_argument("--max-queue", type=cli.non_negative_int, default=ServerConfig.max_queue,
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
-    p.add_argument("--default-policy", default="margin", choices=[p for p in POLICIES if p != "fast"],
+    p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),
                    help='what "deterministic": true means (default margin, the profile\'s tau)')
-    p.add_argument("--default-max-tokens", type=_positive, default=256, help="when a request gives none")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before failing them")
+    p.add_argument("--default-max-tokens", type=cli.positive_int, default=ServerConfig.default_max_tokens,
+                   help="when a request gives none")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they fail")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    common.add_model_args(p)
-    p.set_defaults(func=lambda args: cmd_serve(args, common))
+    cli.add_model_args(p)
+    p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args, common=None) -> None:
+def cmd_serve(args) -> None:
     if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
         raise ValueError("the server needs its extra: pip install 'margingate[server]'")
-    from ..cli import Common
     from .app import create_app
     from .background import DrainingServer, uvicorn_config
 
@@ -70,9 +55,10 @@ def cmd_serve(args, common=None) -> None:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    llm = (common or Common).llm(args, args.max_batch_size)
-    app = create_app(llm, api_key=args.api_key, max_queue=args.max_queue, default_policy=args.default_policy,
-                     default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout)
+    llm = cli.llm(args, args.max_batch_size)
+    app = create_app(llm, ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue,
+                                       default_policy=args.default_policy, default_max_tokens=args.default_max_tokens,
+                                       shutdown_grace_s=args.shutdown_timeout))
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

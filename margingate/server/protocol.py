@@ -11,7 +11,7 @@ What is supported, and what is refused with a 400 naming the field:
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
 - `stop`: a string or up to 4 strings (the text is cut before the stop string);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
-  verifier_precision, window, group}, `ignore_eos` (bool);
+  verifier_precision, defer, window, group}, `ignore_eos` (bool);
 - unknown fields are refused (a misspelt `determinism` must not silently run undeterministic).
 """
 from __future__ import annotations
@@ -21,8 +21,6 @@ import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from ..policies import POLICIES, REPAIRS
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -74,30 +72,25 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # --- pieces --------------------------------------------------------------------------
 
 class DeterminismOptions(BaseModel):
-    """The `determinism` block: which policy protects this request, and how."""
+    """The `determinism` block: which policy protects this request, and how. Unset fields take
+    the server's default policy and `PolicySpec`'s defaults; `PolicySpec` validates the values."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    policy: str = "margin"
-    tau: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    policy: str | None = None
+    tau: float | None = Field(default=None, ge=0)   # inf: verify every step
     repair: str | None = None
     strict: bool | None = None
-    verifier_precision: Literal["bf16", "fp32"] = "bf16"
+    verifier_precision: str | None = None
+    defer: int | None = Field(default=None, ge=0, le=1024)
     window: int | None = Field(default=None, ge=1, le=256)
     group: int | None = Field(default=None, ge=1, le=64)
 
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r} (choose from {', '.join(POLICIES)})")
-        return v
-
-    @field_validator("repair")
-    @classmethod
-    def _repair(cls, v: str | None) -> str | None:
-        if v is not None and v not in REPAIRS:
-            raise ValueError(f"unknown repair {v!r} (choose from {', '.join(REPAIRS)})")
-        return v
+    def spec_options(self) -> dict:
+        """The options given, as `PolicySpec` keywords."""
+        given = self.model_dump(exclude_none=True, exclude={"policy"})
+        if "verifier_precision" in given:
+            given["precision"] = given.pop("verifier_precision")
+        return given
 
 
 class StreamOptions(BaseModel):

@@ -23,10 +23,11 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import Engine, Request, Result
+from .config import ServerConfig
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("margingate.server")
@@ -58,7 +59,7 @@ class Handle:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = 64,
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = ServerConfig.max_queue,
                  idle_poll_s: float = 0.05):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -117,7 +118,7 @@ class EngineWorker:
 
         threading.Thread(target=fail_late, name="margingate-drain", daemon=True).start()
 
-    def shutdown(self, grace_s: float = 30.0) -> None:
+    def shutdown(self, grace_s: float = ServerConfig.shutdown_grace_s) -> None:
         """Stop taking requests, let in-flight ones finish for up to grace_s, fail the rest (503)."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
@@ -171,8 +172,8 @@ class EngineWorker:
                     break
                 if self.engine.has_work:
                     self._step()
-                self.waiting = len(self.engine.scheduler.waiting)
-                self.running = len(self.engine.scheduler.running)
+                load = self.engine.load
+                self.waiting, self.running = load.waiting, load.running
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error("engine loop error (continuing): %s", traceback.format_exc())
@@ -234,19 +235,19 @@ class EngineWorker:
             self._post(handle, "error", (499, "aborted"))
 
     def _step(self) -> None:
-        rows_before = self.engine.counters["decode_rows"]
-        secs_before = {k: self.engine.counters[f"{k}_seconds"] for k in ("prefill", "decode", "verify")}
+        before = {phase: replace(t) for phase, t in self.engine.totals.items()}
         try:
             finished = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             self._fail_step(exc)
             return
         self.metrics.inc("engine_steps_total")
-        rows = self.engine.counters["decode_rows"] - rows_before
+        totals = self.engine.totals
+        rows = totals["decode"].rows - before["decode"].rows
         if rows:
             self.metrics.observe("batch_size", rows, BATCH_BUCKETS)
-        for k, before in secs_before.items():
-            self.metrics.inc("engine_seconds_total", self.engine.counters[f"{k}_seconds"] - before, phase=k)
+        for phase, then in before.items():
+            self.metrics.inc("engine_seconds_total", totals[phase].seconds - then.seconds, phase=phase)
         self._publish(set(finished))
 
     def _publish(self, finished: set) -> None:
@@ -258,10 +259,8 @@ class EngineWorker:
                     handle.admitted = True
                     self.metrics.observe("queue_wait_seconds", now - handle.submitted)
                 done = seq in finished
-                n = len(seq.output_ids) if done else seq.policy.releasable(seq)
-                if n > seq.released:
-                    new = seq.output_ids[seq.released:n]
-                    seq.released = n
+                new = self.engine.release(seq, done)
+                if new:
                     if handle.first_token is None:
                         handle.first_token = now
                         self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
@@ -291,9 +290,9 @@ class EngineWorker:
         self.last_error = f"{type(exc).__name__}: {exc}"
         log.error("engine step failed; failing its requests: %s", traceback.format_exc())
         self.metrics.inc("engine_step_errors_total")
-        for seq in list(self.engine.scheduler.running):
-            self.engine.abort(seq.request_id)
-            handle = self._handles.get(seq.request_id)
+        for request_id in self.engine.running_ids():
+            self.engine.abort(request_id)
+            handle = self._handles.get(request_id)
             if handle is not None:
                 self._post(handle, "error", (500, f"engine step failed: {type(exc).__name__}: {exc}"))
 

@@ -1,0 +1,24 @@
+"""The server's settings, with the one copy of their defaults (the CLI and `create_app` read them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_queue: int = 64                # requests accepted beyond the KV slots; past that, 429
+    default_policy: str = "margin"     # what `"deterministic": true` means
+    default_max_tokens: int = 256      # when a request gives no max_tokens
+    max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 30.0     # in-flight requests get this long on SIGTERM
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "api_key", self.api_key or None)  # "" means no key
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")

@@ -1,0 +1,128 @@
+"""A request body -> a `Job`: the body read within its size limit, strict JSON validated into the
+protocol's models, the model id checked, the policy built, the seed rule, the prompt's token ids and
+max_tokens against the room left in the context. Every refusal is a `BadRequest` naming its field."""
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request as HTTPRequest
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from ..data.prompts import Prompt
+from ..engine import Request
+from ..engine.policy import Policy
+from ..policies import PolicyOptionError, PolicySpec, deterministic_policies
+from .jobs import Job
+from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
+from .state import ServerState
+
+
+async def read_body(req: HTTPRequest, limit: int) -> bytes:
+    """The whole body; 413 as soon as it is known to be over `limit` bytes (declared or read)."""
+    declared = req.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"request body too large (limit {limit} bytes)", status=413, code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in req.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"request body too large (limit {limit} bytes)", status=413, code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def validate(state: ServerState, raw: bytes, kind: str) -> CompletionRequest | ChatCompletionRequest:
+    """The body as the route's pydantic model, for the model this server serves."""
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        params = model_cls.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise BadRequest(message, param=param) from None
+    if params.model is not None and params.model != state.model_id:
+        raise BadRequest(f"the model {params.model!r} does not exist; this server serves {state.model_id!r}",
+                         param="model", status=404, code="model_not_found")
+    return params
+
+
+def build_policy(state: ServerState, params, streaming: bool) -> tuple[Policy, bool]:
+    """The request's policy, and whether the request asked for determinism."""
+    block, asked = params.determinism, params.deterministic
+    if block is None and not asked:
+        return state.llm.policy("fast"), False
+    name = block.policy if block is not None and block.policy is not None else state.config.default_policy
+    options = {"strict": not streaming}  # streaming margin: release at once unless asked
+    if block is not None:
+        options.update(block.spec_options())
+    try:
+        spec = PolicySpec(name, **options)
+    except PolicyOptionError as exc:
+        option = "verifier_precision" if exc.option == "precision" else "policy" if exc.option == "name" else exc.option
+        raise BadRequest(str(exc), param=f"determinism.{option}") from None
+    promises = spec.policy_class.deterministic
+    if asked is False and promises:
+        raise BadRequest('"deterministic": false contradicts the "determinism" block; drop one',
+                         param="deterministic")
+    if asked and not promises:
+        raise BadRequest(f'"deterministic": true needs a policy that promises determinism (a batch-invariant '
+                         f'one: {", ".join(deterministic_policies())}), not "{name}"', param="determinism.policy")
+    return state.llm.policy(spec), promises
+
+
+def check_seed(deterministic: bool, temperature: float, seed: int | None) -> None:
+    """Sampling is reproducible only for a given seed: a deterministic sampled request must name one."""
+    if deterministic and temperature > 0 and seed is None:
+        raise BadRequest("a deterministic request with temperature > 0 needs a seed: sampling is "
+                         "reproducible only for a given seed (or set temperature to 0 for greedy)",
+                         param="seed", code="seed_required")
+
+
+async def prompt_ids(state: ServerState, params, kind: str) -> list[int]:
+    """The prompt's token ids: given as ids, or the text / chat messages encoded."""
+    if kind == "chat":
+        prompt = Prompt("chat", tuple({"role": m.role, "content": m.text()} for m in params.messages), None, "http")
+    else:
+        prompt = params.prompt
+    if isinstance(prompt, list):
+        return prompt
+    if isinstance(prompt, str):
+        prompt = Prompt("text", None, prompt, "http")
+    return await run_in_threadpool(state.encode, prompt)
+
+
+def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
+    """max_tokens, or the server's default within the room the context leaves; refused if it does not fit."""
+    max_len = state.engine.max_len
+    room = max_len - n_prompt  # < 1: the engine refuses the prompt, with its message
+    max_tokens = params.tokens_limit()
+    if max_tokens is None:
+        return max(1, min(state.config.default_max_tokens, room))
+    if room >= 1 and max_tokens > room:
+        raise BadRequest(f"max_tokens={max_tokens} does not fit: the prompt has {n_prompt} tokens and the "
+                         f"context {max_len} positions, so at most {room} new tokens",
+                         param="max_completion_tokens" if kind == "chat" and
+                         params.max_completion_tokens is not None else "max_tokens")
+    return max_tokens
+
+
+async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
+    """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
+    params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
+    policy, deterministic = build_policy(state, params, params.streaming)
+    temperature = params.greedy_temperature
+    check_seed(deterministic, temperature, params.seed)
+    try:
+        ids = await prompt_ids(state, params, kind)
+        max_tokens = token_budget(state, params, kind, len(ids))
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        request = Request(list(ids), max_tokens, policy, ignore_eos=params.ignore_eos, request_id=rid,
+                          temperature=temperature, seed=params.seed)
+    except BadRequest:
+        raise
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
+    return Job(kind, params, request, policy, deterministic, rid)

@@ -1,0 +1,117 @@
+"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions.
+Each handler finds the app's `ServerState` on `request.app.state.server`."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from .errors import json_error
+from .jobs import Job, complete, next_event
+from .metrics import CONTENT_TYPE
+from .parsing import parse_job
+from .protocol import BadRequest
+from .state import ServerState
+from .streaming import EventStream, stream
+from .worker import Handle, QueueFull, ShuttingDown
+
+router = APIRouter()
+
+
+def state_of(req: HTTPRequest) -> ServerState:
+    return req.app.state.server
+
+
+# --- plain routes ----------------------------------------------------------------------------
+
+@router.get("/health")
+async def health(req: HTTPRequest):
+    state = state_of(req)
+    w = state.worker
+    status = "ok" if w.alive and w.accepting else "draining" if w.alive else "engine stopped"
+    body = {"status": status, "model": state.model_id,
+            "in_flight": w.in_flight, "running": w.running, "queued": w.queue_length,
+            "kv_slots_free": state.engine.load.free_slots, "last_error": w.last_error}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+
+@router.get("/metrics")
+async def metrics(req: HTTPRequest):
+    return Response(state_of(req).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "margingate",
+            "max_model_len": state.engine.max_len, "determinism": {
+                "default_policy": state.config.default_policy, "default_tau": state.llm.default_tau,
+                "tau_source": state.environment.get("tau_source")}}
+
+
+@router.get("/v1/models")
+async def models(req: HTTPRequest):
+    return {"object": "list", "data": [model_card(state_of(req))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, req: HTTPRequest):
+    state = state_of(req)
+    if model_id != state.model_id:
+        return json_error(404, f"the model {model_id!r} does not exist; this server serves "
+                               f"{state.model_id!r}", param="model", code="model_not_found")
+    return model_card(state)
+
+
+# --- generation --------------------------------------------------------------------------------
+
+@router.post("/v1/completions")
+async def completions(req: HTTPRequest):
+    return await generate(state_of(req), req, "completion")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: HTTPRequest):
+    return await generate(state_of(req), req, "chat")
+
+
+async def generate(state: ServerState, req: HTTPRequest, kind: str) -> Response:
+    try:
+        job = await parse_job(state, req, kind)
+    except BadRequest as exc:
+        state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
+        return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
+    handle = submit(state, job)
+    if isinstance(handle, Response):
+        return handle
+    return await answer(state, job, handle, req)
+
+
+def submit(state: ServerState, job: Job) -> Handle | Response:
+    """The job handed to the engine thread, or the 429 / 503 that refuses it."""
+    retry = {"Retry-After": str(state.config.retry_after_s)}
+    try:
+        return state.worker.submit(job.request)
+    except QueueFull as exc:
+        state.metrics.inc("requests_rejected_total", reason="queue_full")
+        return json_error(429, f"server busy: {exc}; retry later", code="queue_full", headers=retry)
+    except ShuttingDown as exc:
+        state.metrics.inc("requests_rejected_total", reason="unavailable")
+        return json_error(503, str(exc), code="unavailable", headers=retry)
+
+
+async def answer(state: ServerState, job: Job, handle: Handle, req: HTTPRequest) -> Response:
+    """Once the engine took the request: a stream or the whole answer. Until one of them owns the
+    request, any way out (the engine's refusal, a cancelled handler) aborts it."""
+    handed_over = False
+    try:
+        kind, payload = await next_event(handle)  # "accepted", or the engine refused it
+        if kind == "error":
+            status, message = payload
+            return json_error(status, message, param="messages" if job.kind == "chat" else "prompt",
+                              code="engine_error" if status >= 500 else "invalid_request")
+        handed_over = True
+        if job.params.streaming:
+            return EventStream(state.worker, handle, stream(state, job, handle))
+        return await complete(state, job, handle, req)
+    finally:
+        if not handed_over:
+            state.worker.abort(handle, "disconnect")

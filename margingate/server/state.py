@@ -1,0 +1,41 @@
+"""What one app holds: the model, its engine and the engine thread, the settings, the metrics."""
+from __future__ import annotations
+
+import threading
+import time
+
+from ..data.prompts import Prompt
+from ..engine import Engine
+from .config import ServerConfig
+from .metrics import Metrics
+from .worker import EngineWorker
+
+
+class ServerState:
+    def __init__(self, llm, engine: Engine, config: ServerConfig):
+        self.llm, self.engine, self.config = llm, engine, config
+        self.model_id = llm.model_name
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue)
+        self.environment = llm.environment()
+        self.environment["num_threads"] = engine.num_threads
+        self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
+                            f"-t{engine.num_threads}")
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        m, w = self.metrics, self.worker
+        m.gauge("queue_length", "requests accepted and waiting for a KV slot", lambda: w.queue_length)
+        m.gauge("running_requests", "requests holding a KV slot", lambda: w.running)
+        m.gauge("in_flight_requests", "requests accepted and not finished", lambda: w.in_flight)
+        m.gauge("kv_slots_free", "free KV slots", lambda: engine.load.free_slots)
+        m.gauge("max_queue", "queued requests allowed beyond the running ones", lambda: config.max_queue)
+        m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
+
+    # --- tokenizer (serialized) -----------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        with self.tokenizer_lock:
+            return self.llm.tokenizer.encode_prompt(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.llm.tokenizer.decode(ids)
