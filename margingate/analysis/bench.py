@@ -12,30 +12,42 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine import Request
+from .. import args as cli
 from ..llm import LLM
+from ..policies import PolicySpec
+from . import compare, plots
+from .outputs import percent, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
+from .runs import Runner
 
-# name -> (policy name, options); "protected" requests get it, the rest run `fast`.
+# variant name -> the policy "protected" requests get; the rest run UNPROTECTED.
 VARIANTS = {
-    "fast": ("fast", {}),
-    "batch-invariant": ("batch-invariant", {}),
-    "batch-invariant-global": ("batch-invariant", {}),  # every request of the batch, protected or not
-    "layercast": ("layercast", {}),
-    "dvr": ("dvr", {}),
-    "verify-all": ("verify-all", {}),
-    "margin": ("margin", {}),
-    "margin-eager": ("margin", {"defer": 0}),  # each near-tie verified at its own step
-    "margin-column": ("margin", {"repair": "column"}),
+    "fast": PolicySpec("fast"),
+    "batch-invariant": PolicySpec("batch-invariant"),
+    "batch-invariant-global": PolicySpec("batch-invariant"),  # every request of the batch, protected or not
+    "layercast": PolicySpec("layercast"),
+    "dvr": PolicySpec("dvr"),
+    "verify-all": PolicySpec("verify-all"),
+    "margin": PolicySpec("margin"),
+    "margin-eager": PolicySpec("margin", defer=0),  # each near-tie verified at its own step
+    "margin-column": PolicySpec("margin", repair="column"),
 }
 DEFAULT_VARIANTS = list(VARIANTS)
+PROTECT_ALL = frozenset({"batch-invariant-global"})  # variants whose policy every request gets
+UNPROTECTED = PolicySpec("fast")
+BASELINE = "fast"                     # the variant overheads are measured against
+MARGIN = "margin"                     # the variant latency increments are compared with ...
+INCREMENT_OVER_MARGIN = ("dvr", "verify-all")  # ... for these
+SWEEP_VARIANTS = ("fast", "margin", "dvr", "verify-all", "batch-invariant")  # the protected-share sweep
+#: a run's figures over its protected requests (`sequence_determinism` against the reference)
+GATE_FIGURES = ("decode_steps", "trigger_rate", "repair_rate", "replayed_tokens", "rollbacks", "discarded_tokens")
+RUN_FIGURES = ("sequence_determinism", "diverged", "protected_requests", *GATE_FIGURES)
 
 
 @dataclass
@@ -64,34 +76,29 @@ class Bench:
     def reference(self, ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(ids), max_new_tokens)
         if key not in self._reference:
-            req = Request(ids, max_new_tokens, self.llm.policy("reference"), ignore_eos=True)
-            self._reference[key] = self.llm.engine.generate([req])[0].token_ids
+            run = Runner(self.llm, [ids], max_new_tokens, progress=False).run(
+                {"kind": "bench-reference"}, [[0]], lambda i, r: (self.llm.policy("reference"), None))
+            self._reference[key] = run["rows"][0][1]
         return self._reference[key]
 
     def run_once(self, variant: str, w: Workload) -> dict:
         if variant in self.peers:
             return self.peers[variant].run_once(w.prompt_ids, w.max_new_tokens, w.batch_size)
-        name, opts = VARIANTS[variant]
-        mask = w.protected_mask() if variant != "batch-invariant-global" else [True] * len(w.prompt_ids)
-        reqs = [Request(ids, w.max_new_tokens, self.llm.policy(name if p else "fast", **opts),
-                        ignore_eos=True, request_id=f"b{i}") for i, (ids, p) in enumerate(zip(w.prompt_ids, mask))]
-        engine = self.llm.engine
-        assert engine.config.max_batch_size == w.batch_size
-        t = time.perf_counter()
-        results = engine.generate(reqs)
-        seconds = time.perf_counter() - t
-        protected = [(r, ids) for r, ids, p in zip(results, w.prompt_ids, mask) if p]
-        same = [r.token_ids == self.reference(ids, w.max_new_tokens) for r, ids in protected]
-        steps = sum(r.stats["steps"] for r, _ in protected)
-        total = lambda k: sum(r.stats.get(k, 0) for r, _ in protected)  # noqa: E731
-        tokens = sum(len(r.token_ids) for r in results)
-        return {"seconds": seconds, "tokens": tokens,
-                "sequence_determinism": sum(same) / len(same) if same else None, "diverged": len(same) - sum(same),
-                "protected_requests": len(protected), "decode_steps": steps,
-                "trigger_rate": total("triggers") / steps if steps else None,
-                "repair_rate": total("repairs") / steps if steps else None,
-                "replayed_tokens": total("replayed_tokens"), "rollbacks": total("rollbacks"),
-                "discarded_tokens": total("discarded_tokens")}
+        spec = VARIANTS[variant]
+        n = len(w.prompt_ids)
+        mask = [True] * n if variant in PROTECT_ALL else w.protected_mask()
+        assert self.llm.engine.config.max_batch_size == w.batch_size
+        # one stream of every request, arriving at once: the engine batches them B at a time
+        run = Runner(self.llm, w.prompt_ids, w.max_new_tokens, progress=False).run(
+            {"kind": "bench", "variant": variant}, [list(range(n))],
+            lambda i, r: (self.llm.policy(spec if mask[i] else UNPROTECTED), None), arrivals=[[0] * n])
+        protected = [row for row in run["rows"] if mask[row[0]]]
+        refs = {i: self.reference(w.prompt_ids[i], w.max_new_tokens) for i, *_ in protected}
+        judged = compare.judge(refs, protected)
+        figures = compare.summary(judged, ("runs", "flips", "sequence_determinism", *GATE_FIGURES))
+        return {"seconds": run["seconds"], "tokens": sum(len(row[1]) for row in run["rows"]),
+                "sequence_determinism": figures["sequence_determinism"], "diverged": figures["flips"],
+                "protected_requests": figures["runs"], **{k: figures[k] for k in GATE_FIGURES}}
 
     def compare(self, variants: list[str], w: Workload, repeats: int, warmup: int,
                 external: dict[str, list[dict]] | None = None) -> dict:
@@ -124,89 +131,30 @@ def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
         out[v] = {"seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs),
                   "tokens_per_s": last["tokens"] / med,
                   "ms_per_token_per_request": 1000 * med / (w.max_new_tokens * -(-len(w.prompt_ids) // w.batch_size)),
-                  **{k: last[k] for k in ("sequence_determinism", "diverged", "protected_requests", "decode_steps",
-                                          "trigger_rate", "repair_rate", "replayed_tokens", "rollbacks",
-                                          "discarded_tokens")}}
-    if "fast" in out:
-        base = out["fast"]["seconds_median"]
+                  **{k: last[k] for k in RUN_FIGURES}}
+    if BASELINE in out:
+        base = out[BASELINE]["seconds_median"]
         for v in out:
-            out[v]["overhead"] = out[v]["seconds_median"] / base - 1
+            out[v]["overhead"] = compare.overhead(out[v]["seconds_median"], base)
         inc = lambda v: out[v]["seconds_median"] - base  # noqa: E731
-        if "margin" in out and inc("margin") > 0:
-            for v in ("dvr", "verify-all"):
+        if MARGIN in out and inc(MARGIN) > 0:
+            for v in INCREMENT_OVER_MARGIN:
                 if v in out:
-                    out[v]["increment_ratio_over_margin"] = inc(v) / inc("margin")
+                    out[v]["increment_ratio_over_margin"] = inc(v) / inc(MARGIN)
     return out
 
 
 def format_table(title: str, summary: dict) -> str:
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     head = ("| policy | time s (median, min-max) | tok/s | overhead | seq. det. | trigger | repair | "
             "replayed | rollbacks | incr. / margin |")
     lines = [f"### {title}", "", head, "|" + "---|" * 10]
     for v, r in summary.items():
         inc = r.get("increment_ratio_over_margin")
         lines.append(f"| {v} | {r['seconds_median']:.2f} ({r['seconds_min']:.2f}-{r['seconds_max']:.2f}) | "
-                     f"{r['tokens_per_s']:.1f} | {pct(r.get('overhead'))} | {pct(r['sequence_determinism'])} | "
-                     f"{pct(r['trigger_rate'])} | {pct(r['repair_rate'])} | {r['replayed_tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {percent(r.get('overhead'))} | {percent(r['sequence_determinism'])} | "
+                     f"{percent(r['trigger_rate'])} | {percent(r['repair_rate'])} | {r['replayed_tokens']} | "
                      f"{r['rollbacks']} | {'-' if inc is None else f'{inc:.2f}x'} |")
     return "\n".join(lines)
-
-
-def plot(report: dict, out: Path) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for key, summary in report["main"].items():
-        fig, ax = plt.subplots(figsize=(8, 4))
-        names = list(summary)
-        ax.bar(names, [100 * summary[n].get("overhead", 0) for n in names],
-               color=["#999" if n == "fast" else "#c44" if (summary[n]["sequence_determinism"] or 0) < 1 else "#4a4"
-                      for n in names])
-        ax.set_ylabel("time overhead over fast (%)")
-        ax.set_title(f"{key}: green = 100% sequence determinism, red = not")
-        ax.tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        p = out / f"overhead_{key}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
-    if len(report["main"]) > 1:
-        sizes = sorted(int(k[1:]) for k in report["main"])
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for v in report["main"][f"B{sizes[0]}"]:
-            axes[0].plot(sizes, [report["main"][f"B{b}"][v]["tokens_per_s"] for b in sizes], "o-", label=v)
-            axes[1].plot(sizes, [100 * report["main"][f"B{b}"][v].get("overhead", 0) for b in sizes], "o-", label=v)
-        axes[0].set_ylabel("output tokens/s")
-        axes[1].set_ylabel("time overhead over fast (%)")
-        for ax in axes:
-            ax.set_xlabel("batch size")
-            ax.set_xscale("log", base=2)
-        axes[1].legend(fontsize=8)
-        fig.tight_layout()
-        p = out / "batch_size_curve.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
-    if report.get("protected_sweep"):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        sweep = report["protected_sweep"]
-        shares = sorted(sweep, key=float)
-        for v in next(iter(sweep.values())):
-            if v == "fast":
-                continue
-            ax.plot([100 * float(s) for s in shares], [100 * sweep[s][v]["overhead"] for s in shares], "o-", label=v)
-        ax.set_xlabel("protected requests (%)")
-        ax.set_ylabel("overhead over fast (%)")
-        ax.legend()
-        fig.tight_layout()
-        p = out / "protected_sweep.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
-    return paths
 
 
 def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
@@ -235,15 +183,13 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
             report["pass_profile"] = pass_profile(llm, prompts_ids, repeats=max(3, repeats))
         bench.peers = {}  # the protected-share sweep is about our policies only
         if protected_shares and b == min(batch_sizes):
-            sweep_variants = [v for v in variants if v in ("fast", "margin", "dvr", "verify-all", "batch-invariant")]
+            sweep_variants = [v for v in variants if v in SWEEP_VARIANTS]
             for share in protected_shares:
                 w = Workload(prompts_ids, max_new_tokens, b, protected=share)
                 report["protected_sweep"][str(share)] = bench.compare(sweep_variants, w, repeats, warmup)
     if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        (out / "report.md").write_text(markdown(report))
-        report["plots"] = [str(p) for p in plot(report, out)]
+        written = write_report(report, out, markdown, lambda r, o: plots.bench_plots(r, o, BASELINE), indent=2)
+        report["plots"] = [str(p) for p in written]
     return report
 
 
@@ -258,8 +204,8 @@ def markdown(report: dict) -> str:
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
         peers = [v for v in summary if v in {c.name for c in PEERS.values()}]
-        if peers and "fast" in summary:
-            ratios = ", ".join(f"{summary['fast']['tokens_per_s'] / summary[v]['tokens_per_s']:.2f}x {v}"
+        if peers and BASELINE in summary:
+            ratios = ", ".join(f"{summary[BASELINE]['tokens_per_s'] / summary[v]['tokens_per_s']:.2f}x {v}"
                                for v in peers)
             parts.append(f"`fast` throughput over the peers at B={key[1:]}: {ratios}. Peers are judged against "
                          "themselves decoding each prompt alone; HF runs static groups of B (no continuous "
@@ -271,14 +217,14 @@ def markdown(report: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def add_parser(sub, common) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="every policy side by side on one workload, in one run")
     p.add_argument("--prompts-file", help="JSON lines (default: the built-in prompts)")
     p.add_argument("--dataset", help="humaneval, sharegpt, champ or builtin, instead of --prompts-file")
     p.add_argument("--seed", type=int, default=0, help="seed of the --dataset subset")
     p.add_argument("--limit", type=int, default=32, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-sizes", type=common.int_list, default=[8, 16])
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--batch-sizes", type=cli.int_list, default=[8, 16])
     p.add_argument("--policies", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -291,11 +237,11 @@ def add_parser(sub, common) -> None:
                    help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up, no pass profile")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
     p.add_argument("--json", action="store_true")
-    common.add_model_args(p)
-    p.set_defaults(func=lambda args: _cmd(args, common))
+    cli.add_model_args(p)
+    p.set_defaults(func=_cmd)
 
 
-def _cmd(args, common) -> None:
+def _cmd(args) -> None:
     variants = [v.strip() for v in args.policies.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -315,7 +261,7 @@ def _cmd(args, common) -> None:
     def factory(b):
         if b not in cache:
             cache.clear()
-            cache[b] = common.llm(args, b)
+            cache[b] = cli.llm(args, b)
         return cache[b]
 
     llm = factory(max(args.batch_sizes))
@@ -323,7 +269,7 @@ def _cmd(args, common) -> None:
         from ..data.datasets import dataset_prompts
         prompts = dataset_prompts(args.dataset, args.limit, args.seed, llm.tokenizer)
     else:
-        prompts = common.prompts(args)
+        prompts = cli.prompts(args)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
     peers = make_peers(peer_names, llm.folder, llm.engine.num_threads)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,

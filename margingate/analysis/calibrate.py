@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import platform
 import time
@@ -28,9 +27,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..policies import FastPolicy, MarginPolicy
-from .flips import Runner, _f, batches, cache_dir_of, delta_stats, judge, load_prompts, margins, step_samples
-from .flips import add_run_args as _add_run_args
+from .. import args as cli
+from ..policies import PolicySpec
+from . import plots
+from .compare import flip_rates, judge, overhead, summary
+from .diagnostics import delta_stats, margins, step_samples
+from .outputs import fmt, write_report
+from .runs import add_run_args, batches, cache_dir_of, load_prompts
+from .traces import TraceRunner, reference_tokens
+
+FAST = PolicySpec("fast")
+#: the margin policy swept: replay repair, strict=False (a flip the gate misses is counted, not hidden)
+SWEPT = PolicySpec("margin", repair="replay", precision="bf16", strict=False)
+#: what a margin run reports (Table 7, Table 9), from the judged runs
+MARGIN_KEYS = ("runs", "sequence_determinism", "trigger_rate", "repair_rate", "replay_rate", "missed_flips",
+               "runs_with_missed_flips", "decode_steps")
 
 
 @dataclass
@@ -62,27 +73,31 @@ def tau_grid(delta: dict, flip_margins: np.ndarray) -> list[float]:
 
 
 class Sweep:
-    def __init__(self, runner: Runner, refs: list[dict], sizes: list[int]):
-        self.runner, self.refs, self.sizes = runner, refs, sizes
+    """`margin` at one tau over the calibration batches, timed against `fast` on the same batches."""
+
+    def __init__(self, runner: TraceRunner, refs: list[dict], sizes: list[int]):
+        self.runner, self.sizes = runner, sizes
+        self.references = reference_tokens(refs)
         self.n = len(runner.ids)
 
     def fast_seconds(self) -> dict:
         out = {}
         for size in self.sizes:
             run = self.runner.run({"kind": "fast-plain", "size": size}, batches(self.n, size, "hetero"),
-                                  lambda i, r: (FastPolicy(), None), f"fast b={size}")
+                                  lambda i, r: (self.runner.llm.policy(FAST), None), f"fast b={size}")
             out[size] = (run["seconds"], run["cached"], run)
         return out
 
     def margin(self, tau: float, fast: dict) -> dict:
+        spec = SWEPT.replace(tau=tau)
         rows, seconds, t_fast, cached = [], 0.0, 0.0, False
         per_size = {}
         for size in self.sizes:
-            run = self.runner.run({"kind": "margin", "size": size, "tau": tau, "repair": "replay",
-                                   "strict": False}, batches(self.n, size, "hetero"),
-                                  lambda i, r: (MarginPolicy(tau, "replay", "bf16", strict=False), None),
-                                  f"margin tau={tau} b={size}")
-            j = judge(self.refs, run["rows"])
+            # the run's cache key (unchanged since runs were keyed by hand)
+            key = {"kind": "margin", "size": size, "tau": tau, "repair": spec.repair, "strict": spec.strict}
+            run = self.runner.run(key, batches(self.n, size, "hetero"),
+                                  lambda i, r: (self.runner.llm.policy(spec), None), f"margin tau={tau} b={size}")
+            j = judge(self.references, run["rows"])
             per_size[str(size)] = summarise(j, run["seconds"], fast[size][0])
             rows += j
             seconds += run["seconds"]
@@ -92,18 +107,8 @@ class Sweep:
 
 
 def summarise(judged: list[dict], seconds: float, fast_seconds: float) -> dict:
-    n = len(judged)
-    tot = lambda k: sum(r["stats"].get(k, 0) for r in judged)  # noqa: E731
-    steps = tot("steps")
-    ident = sum(r["identical"] for r in judged)
-    return {"runs": n, "sequence_determinism": ident / n if n else None,
-            "trigger_rate": tot("triggers") / steps if steps else None,
-            "repair_rate": tot("repairs") / steps if steps else None,
-            "replay_rate": tot("replayed_tokens") / steps if steps else None,
-            "missed_flips": tot("missed_flips"), "runs_with_missed_flips": sum(
-                1 for r in judged if r["stats"].get("missed_flips")),
-            "decode_steps": steps, "seconds": round(seconds, 2), "fast_seconds": round(fast_seconds, 2),
-            "overhead": (seconds - fast_seconds) / fast_seconds if fast_seconds else None}
+    return {**summary(judged, MARGIN_KEYS), "seconds": round(seconds, 2), "fast_seconds": round(fast_seconds, 2),
+            "overhead": overhead(seconds, fast_seconds)}
 
 
 def versions() -> dict:
@@ -118,58 +123,46 @@ def versions() -> dict:
     return out
 
 
+def traced_references(llm, cfg: CalibrateConfig, dataset: str, cache_dir, progress) -> tuple:
+    """The dataset's prompts, a runner over them and their traced references."""
+    prompts = load_prompts(llm, dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
+    ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
+    runner = TraceRunner(llm, ids, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos, cache_dir=cache_dir,
+                         progress=progress, tag=f"{dataset}: ")
+    return prompts, runner, runner.reference()
+
+
+CRITERION = ("smallest tau with 100 % sequence determinism and no missed flip (strict=False, "
+             "replay repair) on every heterogeneous batch size of the calibration set")
+
+
 def run_calibrate(llm, cfg: CalibrateConfig, cache_dir: Path | None, progress: bool = True,
                   profile_dir: Path | None = None, save: bool = True) -> dict:
     t0 = time.perf_counter()
-    prompts = load_prompts(llm, cfg.dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
-    ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
-    runner = Runner(llm, ids, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos, cache_dir=cache_dir,
-                    progress=progress, tag=f"{cfg.dataset}: ")
-    refs = runner.reference()
+    prompts, runner, refs = traced_references(llm, cfg, cfg.dataset, cache_dir, progress)
     judged = []
     for size in cfg.batch_sizes:
-        judged += judge(refs, runner.fast(refs, "hetero", size)["rows"])
+        judged += judge(reference_tokens(refs), runner.fast(refs, "hetero", size)["rows"])
     delta = delta_stats(judged, refs)
     flip_m = margins(step_samples(judged, refs)["flip"])
-    flips = sum(not r["identical"] for r in judged)
-    sync = sum(r["sync"] for r in judged)
     taus = sorted(set(cfg.taus)) if cfg.taus else tau_grid(delta, flip_m)
-    sweep = Sweep(runner, refs, cfg.batch_sizes)
-    fast = sweep.fast_seconds()
-    frontier, chosen, extra = [], None, 0
-    for tau in taus:
-        row = sweep.margin(tau, fast)
-        frontier.append(row)
-        if chosen is None and row["sequence_determinism"] == 1.0 and row["missed_flips"] == 0:
-            chosen = tau
-        elif chosen is not None:
-            extra += 1
-        if chosen is not None and cfg.stop_at_first and extra >= cfg.extra_points:
-            break
+    frontier, chosen = sweep(Sweep(runner, refs, cfg.batch_sizes), taus, cfg)
+    fast_flips = {k: v for k, v in flip_rates(judged).items() if k in ("runs", "flips", "synchronous_steps",
+                                                                        "flip_rate")}
     rep = {"command": "calibrate", "dataset": cfg.dataset,
            "settings": {k: v for k, v in vars(cfg).items()} | {"prompts": len(prompts)},
            "prompt_sources": [p.source for p in prompts], "environment": llm.environment(),
            "delta": delta, "perturbation_tau": 2 * (delta.get("median") or delta.get("median_nonzero") or 0.0),
-           "fast_flips": {"runs": len(judged), "flips": flips, "synchronous_steps": sync,
-                          "flip_rate": flips / sync if sync else None,
-                          "max_flip_margin": float(flip_m.max()) if len(flip_m) else None},
-           "taus": taus, "table7_frontier": frontier, "tau": chosen,
-           "criterion": "smallest tau with 100 % sequence determinism and no missed flip (strict=False, "
-                        "replay repair) on every heterogeneous batch size of the calibration set"}
+           "fast_flips": fast_flips | {"max_flip_margin": float(flip_m.max()) if len(flip_m) else None},
+           "taus": taus, "table7_frontier": frontier, "tau": chosen, "criterion": CRITERION}
     if chosen is None:
         rep["warning"] = "no tau in the sweep reached 100 % sequence determinism without missed flips"
     if chosen is not None and save:
         from ..profiles import save_profile
 
-        point = next(r for r in frontier if r["tau"] == chosen)
-        profile = {"tau": chosen, "delta": {k: delta.get(k) for k in ("median", "median_nonzero", "max", "top_k")},
-                   "dataset": cfg.dataset, "prompts": len(prompts), "seed": cfg.seed,
-                   "batch_sizes": cfg.batch_sizes, "max_new_tokens": cfg.max_new_tokens,
-                   "criterion": rep["criterion"], "trigger_rate": point["trigger_rate"],
-                   "overhead": point["overhead"], "date": _dt.date.today().isoformat(),
-                   "threads": llm.engine.num_threads, "device": str(llm.model.device), "versions": versions()}
-        rep["profile_path"] = str(save_profile(llm.config, profile, profile_dir))
-        rep["profile"] = profile
+        prof = profile_at(llm, cfg, delta, next(r for r in frontier if r["tau"] == chosen), len(prompts))
+        rep["profile_path"] = str(save_profile(llm.config, prof, profile_dir))
+        rep["profile"] = prof
     rep["table9_transfer"] = {}
     if chosen is not None:
         cal = next(r for r in frontier if r["tau"] == chosen)
@@ -181,14 +174,37 @@ def run_calibrate(llm, cfg: CalibrateConfig, cache_dir: Path | None, progress: b
     return rep
 
 
+def sweep(s: Sweep, taus: list[float], cfg: CalibrateConfig) -> tuple[list[dict], float | None]:
+    """The frontier over `taus` and the chosen tau (None if none qualifies); with `stop_at_first`,
+    stops `extra_points` taus after the first that qualifies."""
+    fast = s.fast_seconds()
+    frontier, chosen, extra = [], None, 0
+    for tau in taus:
+        row = s.margin(tau, fast)
+        frontier.append(row)
+        if chosen is None and row["sequence_determinism"] == 1.0 and row["missed_flips"] == 0:
+            chosen = tau
+        elif chosen is not None:
+            extra += 1
+        if chosen is not None and cfg.stop_at_first and extra >= cfg.extra_points:
+            break
+    return frontier, chosen
+
+
+def profile_at(llm, cfg: CalibrateConfig, delta: dict, point: dict, prompts: int) -> dict:
+    """The model profile saved at the chosen operating point (the engine's default tau)."""
+    return {"tau": point["tau"], "delta": {k: delta.get(k) for k in ("median", "median_nonzero", "max", "top_k")},
+            "dataset": cfg.dataset, "prompts": prompts, "seed": cfg.seed,
+            "batch_sizes": cfg.batch_sizes, "max_new_tokens": cfg.max_new_tokens,
+            "criterion": CRITERION, "trigger_rate": point["trigger_rate"],
+            "overhead": point["overhead"], "date": _dt.date.today().isoformat(),
+            "threads": llm.engine.num_threads, "device": str(llm.model.device), "versions": versions()}
+
+
 def transfer(llm, cfg: CalibrateConfig, name: str, tau: float, cache_dir, progress) -> dict:
-    prompts = load_prompts(llm, name, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
-    ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
-    runner = Runner(llm, ids, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos, cache_dir=cache_dir,
-                    progress=progress, tag=f"{name}: ")
-    refs = runner.reference()
-    sweep = Sweep(runner, refs, cfg.batch_sizes)
-    row = sweep.margin(tau, sweep.fast_seconds())
+    prompts, runner, refs = traced_references(llm, cfg, name, cache_dir, progress)
+    s = Sweep(runner, refs, cfg.batch_sizes)
+    row = s.margin(tau, s.fast_seconds())
     return {"calibration": False, "prompts": len(prompts), **row}
 
 
@@ -203,21 +219,21 @@ def markdown(rep: dict) -> str:
          f"torch {env['torch']}, {env['num_threads']} threads, {env['device']}.", "",
          "## App. A: perturbation scale and threshold", "",
          "| delta med. | delta med. (nonzero) | delta max | pert. (2 x delta) | emp. tau |", "|---|---|---|---|---|",
-         f"| {_f(d.get('median'))} | {_f(d.get('median_nonzero'))} | {_f(d.get('max'))} | "
-         f"{_f(rep.get('perturbation_tau'))} | {_f(rep.get('tau'))} |", "",
+         f"| {fmt(d.get('median'))} | {fmt(d.get('median_nonzero'))} | {fmt(d.get('max'))} | "
+         f"{fmt(rep.get('perturbation_tau'))} | {fmt(rep.get('tau'))} |", "",
          f"delta = |batched - reference| over the reference's top-{d.get('top_k')} logits at synchronous steps "
-         f"({d.get('samples')} samples; {_f(d.get('share_exact'), True)} exactly equal; pert. uses the median, "
+         f"({d.get('samples')} samples; {fmt(d.get('share_exact'), True)} exactly equal; pert. uses the median, "
          f"or the median of the nonzero differences when most are exactly equal). "
          f"Fast path: {rep['fast_flips']['flips']} flips in {rep['fast_flips']['synchronous_steps']} synchronous "
-         f"steps ({_f(rep['fast_flips']['flip_rate'], True)}), largest flip margin "
-         f"{_f(rep['fast_flips']['max_flip_margin'])}.", "",
+         f"steps ({fmt(rep['fast_flips']['flip_rate'], True)}), largest flip margin "
+         f"{fmt(rep['fast_flips']['max_flip_margin'])}.", "",
          "## Table 7: threshold frontier (margin, replay repair, strict=False)", "",
          "| tau | seq. det. | trigger rate | repair rate | replayed/step | missed flips (= strict rollbacks) | "
          "time s | fast s | overhead |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rep["table7_frontier"]:
-        L.append(f"| {r['tau']} | {_f(r['sequence_determinism'], True)} | {_f(r['trigger_rate'], True)} | "
-                 f"{_f(r['repair_rate'], True)} | {_f(r['replay_rate'])} | {r['missed_flips']} | {r['seconds']} | "
-                 f"{r['fast_seconds']} | {_f(r['overhead'], True)}{' (cached)' if r['from_cache'] else ''} |")
+        L.append(f"| {r['tau']} | {fmt(r['sequence_determinism'], True)} | {fmt(r['trigger_rate'], True)} | "
+                 f"{fmt(r['repair_rate'], True)} | {fmt(r['replay_rate'])} | {r['missed_flips']} | {r['seconds']} | "
+                 f"{r['fast_seconds']} | {fmt(r['overhead'], True)}{' (cached)' if r['from_cache'] else ''} |")
     L += ["", f"Criterion: {rep['criterion']}. Chosen tau: **{rep.get('tau')}**"
               + (f"; profile: `{rep['profile_path']}`" if rep.get("profile_path") else ""), "",
           "![frontier](frontier.png)", "",
@@ -226,8 +242,8 @@ def markdown(rep: dict) -> str:
           "missed flips |", "|---|---|---|---|---|---|---|---|"]
     for name, r in rep["table9_transfer"].items():
         L.append(f"| {name}{' (calibration)' if r.get('calibration') else ''} | {r['runs']} | {r['fast_seconds']} | "
-                 f"{r['seconds']} | {_f(r['overhead'], True)} | {_f(r['trigger_rate'], True)} | "
-                 f"{_f(r['sequence_determinism'], True)} | {r['missed_flips']} |")
+                 f"{r['seconds']} | {fmt(r['overhead'], True)} | {fmt(r['trigger_rate'], True)} | "
+                 f"{fmt(r['sequence_determinism'], True)} | {r['missed_flips']} |")
     L += ["", "Overheads compare runs of the same batches in one process; rows marked cached reuse "
               "timings from the run that produced the cache entry. On this CPU the verifier is a separate "
               "pass of per-row attention; every row of every batch is protected.", "",
@@ -236,13 +252,11 @@ def markdown(rep: dict) -> str:
 
 
 def write_outputs(rep: dict, out: Path, plot: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=1))
-    (out / "report.md").write_text(markdown(rep))
-    if plot and rep["table7_frontier"]:
-        from . import plots
+    write_report(rep, out, markdown, _frontier_plot if plot and rep["table7_frontier"] else None)
 
-        plots.frontier_plot(rep, out)
+
+def _frontier_plot(rep: dict, out: Path) -> list[Path]:
+    return [plots.frontier_plot(rep, out)]
 
 
 def _floats(text: str) -> list[float]:
@@ -255,11 +269,11 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
-def add_parser(sub, common) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="estimate delta, sweep tau, save the model's profile (paper App. A)")
-    _add_run_args(p, common)
+    add_run_args(p)
     p.set_defaults(dataset="champ")
-    p.add_argument("--batch-sizes", type=common.int_list, default=[8, 16])
+    p.add_argument("--batch-sizes", type=cli.int_list, default=[8, 16])
     p.add_argument("--taus", default=None, help="comma-separated taus (default: a grid built from delta)")
     p.add_argument("--transfer", default="humaneval,sharegpt", help="datasets for Table 9 ('none' to skip)")
     p.add_argument("--full-sweep", action="store_true",
@@ -268,7 +282,7 @@ def add_parser(sub, common) -> None:
                    help="where to save the profile (default: the user profile folder the engine reads)")
     p.add_argument("--no-save", action="store_true", help="do not save a profile")
     p.add_argument("--out", default=None, help="output folder (default results/calibrate/<dataset>)")
-    p.set_defaults(func=cmd_calibrate, common=common)
+    p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args) -> None:
@@ -277,11 +291,11 @@ def cmd_calibrate(args) -> None:
     cfg = CalibrateConfig(args.dataset, args.limit, args.seed, args.batch_sizes,
                           _floats(args.taus) if args.taus else None, args.max_new_tokens, args.max_prompt_tokens,
                           not args.respect_eos, transfer_sets, not args.full_sweep)
-    llm = args.common.llm(args, max(cfg.batch_sizes))
+    llm = cli.llm(args, max(cfg.batch_sizes))
     rep = run_calibrate(llm, cfg, cache_dir_of(args), progress=not args.quiet,
                         profile_dir=Path(args.profile_dir) if args.profile_dir else None, save=not args.no_save)
     out = Path(args.out or f"results/calibrate/{Path(args.dataset).stem}")
     write_outputs(rep, out, plot=not args.no_plots)
-    print(f"tau = {rep.get('tau')} (delta median {_f(rep['delta'].get('median'))}, max "
-          f"{_f(rep['delta'].get('max'))}); wrote {out}/report.md"
+    print(f"tau = {rep.get('tau')} (delta median {fmt(rep['delta'].get('median'))}, max "
+          f"{fmt(rep['delta'].get('max'))}); wrote {out}/report.md"
           + (f"; profile {rep['profile_path']}" if rep.get("profile_path") else ""))

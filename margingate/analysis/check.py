@@ -1,10 +1,10 @@
 """`margingate check`: does a policy keep the determinism contract?
 
-Every prompt is decoded alone by the `reference` policy (the verifier's
-kernels: the trajectory the contract promises). Then the policy under test
-decodes it inside homogeneous batches (the prompt replicated), heterogeneous
-batches (with other prompts) at each size, and in one continuous-batching run
-with staggered arrivals; each output is compared token by token.
+Every prompt is decoded alone by the `reference` policy (the verifier's kernels:
+the trajectory the contract promises). Then the policy under test decodes it
+inside homogeneous batches (the prompt replicated), heterogeneous batches (with
+other prompts) at each size, and in one continuous-batching run with staggered
+arrivals; each output is compared token by token.
 """
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from tqdm import tqdm
-
 from ..data.prompts import Prompt
-from ..engine import Request
 from ..engine.policy import Policy
 from ..llm import LLM
-from .compare import Judgement
+from .compare import judge, summary
+from .outputs import percent
+from .runs import Runner, batches, staggered
 
 MODES = ("hetero", "homo", "staggered")
-GATED = {"margin", "verify-all", "dvr"}  # policies with a trigger / repair to report
+#: what check reports per (batch size, mode) and over all runs
+RATE_KEYS = ("runs", "sequence_determinism", "flips", "synchronous_steps", "flip_rate", "trigger_rate",
+             "repair_rate", "replay_rate", "rollbacks", "decode_steps")
 
 
 def parse_modes(text: str) -> list[str]:
@@ -34,13 +35,6 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-def _batches(n: int, size: int, mode: str) -> list[list[int]]:
-    """Prompt indices per batch. hetero: consecutive prompts, wrapping so every batch is full."""
-    if mode == "homo":
-        return [[i] * size for i in range(n)]
-    return [[(start + j) % n for j in range(size)] for start in range(0, n, size)]
-
-
 class Checker:
     def __init__(self, llm: LLM, prompts: list[Prompt], make_policy: Callable[[], Policy],
                  reference: Callable[[], Policy], max_new_tokens: int = 128, progress: bool = True):
@@ -49,103 +43,72 @@ class Checker:
         self.ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
         self.reference_policy = reference
         self.reference: list[list[int]] = []
+        self.runner = Runner(llm, self.ids, max_new_tokens, ignore_eos=False, progress=progress)
 
-    def _run(self, indices: list[int], policy_factory, arrivals: list[int] | None = None, batch: int | None = None):
-        reqs = [Request(self.ids[i], self.max_new_tokens, policy_factory(), request_id=f"c{k}",
-                        arrival_step=arrivals[k] if arrivals else 0) for k, i in enumerate(indices)]
-        engine = self.llm.engine
-        if batch is not None and batch > engine.config.max_batch_size:
-            raise ValueError(f"batch size {batch} exceeds the engine's max_batch_size {engine.config.max_batch_size}")
-        return engine.generate(reqs)
+    def _spec(self, policy: Policy, mode: str, size: int) -> dict:
+        return {"kind": "check", "policy": policy.name, **policy.settings(), "mode": mode, "size": size}
 
     def run(self, batch_sizes: list[int], modes: list[str]) -> dict:
         t0 = time.perf_counter()
-        bar = tqdm(total=len(self.ids), desc="reference (alone)", disable=not self.progress)
-        for i in range(len(self.ids)):
-            self.reference.append(self._run([i], self.reference_policy)[0].token_ids)
-            bar.update()
-        bar.close()
+        n, reference = len(self.ids), self.reference_policy()
+        run = self.runner.run(self._spec(reference, "alone", 1), batches(n, 1, "alone"),
+                              lambda i, r: (self.reference_policy(), None), "reference (alone)")
+        self.reference = [tokens for _, tokens, _, _ in run["rows"]]
         t_ref = time.perf_counter() - t0
-        groups: dict[tuple[str, int], list] = defaultdict(list)
-        plan = [(mode, b) for b in batch_sizes for mode in modes if mode != "staggered"]
-        for mode, size in tqdm(plan, desc="batched runs", disable=not self.progress):
-            t = time.perf_counter()
-            for batch in _batches(len(self.ids), size, mode):
-                for i, res in zip(batch, self._run(batch, self.make_policy, batch=size)):
-                    groups[(mode, size)].append((i, res))
-            groups[(mode, size)].append(("time", time.perf_counter() - t))
+        policy, make = self.make_policy(), lambda i, r: (self.make_policy(), None)
+        runs = {}
+        for size in batch_sizes:
+            for mode in modes:
+                if mode != "staggered":
+                    runs[(mode, size)] = self.runner.run(self._spec(policy, mode, size), batches(n, size, mode),
+                                                         make, f"{mode} b={size}")
         if "staggered" in modes:
-            t = time.perf_counter()
-            n = len(self.ids)
-            order = list(range(n)) * 2  # each prompt twice, at different moments and neighbours
-            arrivals = [3 * k for k in range(len(order))]
-            for i, res in zip(order, self._run(order, self.make_policy, arrivals)):
-                groups[("staggered", self.llm.engine.config.max_batch_size)].append((i, res))
-            groups[("staggered", self.llm.engine.config.max_batch_size)].append(("time", time.perf_counter() - t))
-        return self._summarise(groups, t_ref)
+            size = self.llm.engine.config.max_batch_size
+            order, arrivals = staggered(n)  # each prompt twice, at different moments and neighbours
+            runs[("staggered", size)] = self.runner.run(self._spec(policy, "staggered", size), [order], make,
+                                                        "staggered", arrivals=[arrivals])
+        return self._summarise(runs, t_ref)
 
-    def _summarise(self, groups, t_ref: float) -> dict:
-        runs_all, per = [], defaultdict(dict)
-        for (mode, size), items in groups.items():
-            seconds = sum(v for k, v in items if k == "time")
-            runs = [(i, r) for i, r in items if i != "time"]
-            rows = [self._judge(i, r) for i, r in runs]
-            runs_all += rows
-            per[size][mode] = {**_rates(rows, self.policy_name), "seconds": round(seconds, 2)}
+    def _summarise(self, runs: dict, t_ref: float) -> dict:
+        judged_all, per = [], defaultdict(dict)
+        for (mode, size), run in runs.items():
+            judged = judge(self.reference, run["rows"])
+            judged_all += judged
+            per[size][mode] = {**summary(judged, RATE_KEYS, self.verifies), "seconds": round(run["seconds"], 2)}
         # Every output token, in run order: equal digests mean equal token ids (across thread counts).
-        outputs = [[mode, size, i, r.token_ids] for (mode, size), items in sorted(groups.items())
-                   for i, r in items if i != "time"]
+        outputs = [[mode, size, i, tokens] for (mode, size), run in sorted(runs.items())
+                   for i, tokens, _, _ in run["rows"]]
         digest = hashlib.sha256(json.dumps([self.reference, outputs]).encode()).hexdigest()
-        return {"runs": len(runs_all), **_rates(runs_all, self.policy_name),
+        return {**summary(judged_all, RATE_KEYS, self.verifies),
                 "tokens_sha256": digest, "reference_seconds": round(t_ref, 2),
                 "per_batch_size": {str(k): v for k, v in sorted(per.items())}}
-
-    def _judge(self, i: int, res) -> dict:
-        j = Judgement.of(self.reference[i], res.token_ids)
-        return {"prompt_index": i, "identical": j.identical, "divergence": j.divergence,
-                "synchronous_steps": j.synchronous_steps, "stats": res.stats}
 
     @property
     def policy_name(self) -> str:
         return self.make_policy().name
 
-
-def _rates(rows: list[dict], policy: str) -> dict:
-    n = len(rows)
-    sync = sum(r["synchronous_steps"] for r in rows)
-    flips = sum(not r["identical"] for r in rows)
-    steps = sum(r["stats"]["steps"] for r in rows)
-    gated = policy in GATED
-    total = lambda key: sum(r["stats"].get(key, 0) for r in rows)  # noqa: E731
-    return {
-        "runs": n,
-        "sequence_determinism": (n - flips) / n if n else None,
-        "flips": flips, "synchronous_steps": sync,
-        "flip_rate": flips / sync if sync else None,
-        "trigger_rate": total("triggers") / steps if gated and steps else None,
-        "repair_rate": total("repairs") / steps if gated and steps else None,
-        "replay_rate": total("replayed_tokens") / steps if gated and steps else None,
-        "rollbacks": total("rollbacks") if gated else None,
-        "decode_steps": steps,
-    }
+    @property
+    def verifies(self) -> bool:
+        """Does the policy under test gate and verify (so its trigger and repair rates mean something)?"""
+        return self.make_policy().verifies
 
 
 def format_table(report: dict) -> str:
     head = f"{'batch':>5} {'mode':<10} {'runs':>5} {'seq.det':>8} {'flips':>6} {'flip rate':>10} " \
            f"{'trigger':>8} {'repair':>8} {'replay':>8} {'rollbk':>7} {'time s':>7}"
     lines = [f"policy {report['policy']}  ({report.get('settings', {})})", head, "-" * len(head)]
-    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for size, modes in report["per_batch_size"].items():
         for mode, r in modes.items():
-            lines.append(f"{size:>5} {mode:<10} {r['runs']:>5} {pct(r['sequence_determinism']):>8} {r['flips']:>6} "
-                         f"{pct(r['flip_rate']):>10} {pct(r['trigger_rate']):>8} {pct(r['repair_rate']):>8} "
-                         f"{pct(r['replay_rate']):>8} {'-' if r['rollbacks'] is None else r['rollbacks']:>7} "
-                         f"{r['seconds']:>7}")
+            lines.append(f"{size:>5} {mode:<10} {_rates_cells(r)} "
+                         f"{'-' if r['rollbacks'] is None else r['rollbacks']:>7} {r['seconds']:>7}")
     lines.append("-" * len(head))
-    lines.append(f"{'all':>5} {'':<10} {report['runs']:>5} {pct(report['sequence_determinism']):>8} "
-                 f"{report['flips']:>6} {pct(report['flip_rate']):>10} {pct(report['trigger_rate']):>8} "
-                 f"{pct(report['repair_rate']):>8} {pct(report['replay_rate']):>8}")
+    lines.append(f"{'all':>5} {'':<10} {_rates_cells(report)}")
     env = report.get("environment", {})
     lines.append(f"token ids sha256 {report['tokens_sha256'][:16]} (references and every run); "
                  f"{env.get('num_threads')} threads, {env.get('cpu')} ({', '.join(env.get('cpu_isa', []))})")
     return "\n".join(lines)
+
+
+def _rates_cells(r: dict) -> str:
+    return (f"{r['runs']:>5} {percent(r['sequence_determinism']):>8} {r['flips']:>6} {percent(r['flip_rate']):>10} "
+            f"{percent(r['trigger_rate']):>8} {percent(r['repair_rate']):>8} {percent(r['replay_rate']):>8}")

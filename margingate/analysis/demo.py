@@ -5,7 +5,7 @@ import time
 
 from ..data.prompts import builtin_prompts
 from ..llm import LLM
-from .compare import first_divergence
+from .compare import counter_totals, first_divergence
 
 PICK = (0, 10, 20, 30, 5, 15, 25, 35)  # two of each category: math, code, chat, instruction
 
@@ -50,9 +50,8 @@ def run_demo(llm: LLM, max_new_tokens: int = 96) -> None:
 
     same = lambda outs: sum(o.token_ids == r.token_ids for o, r in zip(outs, reference))  # noqa: E731
     cost = lambda t: f"time {t:.1f}s vs fast {t_fast:.1f}s ({100 * (t / t_fast - 1):+.0f}%, all 8 protected)"  # noqa: E731
-    steps = sum(m.stats["steps"] for m in margin)
-    trig = sum(m.stats["triggers"] for m in margin)
-    fixed = sum(m.stats["repairs"] for m in margin)
+    totals = counter_totals(m.stats for m in margin)
+    steps, trig, fixed = totals["steps"], totals["triggers"], totals["repairs"]
     print("2) The same batch with policy margin (verify only near-tie steps, replay repair):")
     print(f"  -> {same(margin)}/{len(prompts)} identical to the request decoded alone by the verifier; gate fired "
           f"at {trig}/{steps} steps ({100 * trig / max(steps, 1):.1f}%), {fixed} flips repaired before release; "

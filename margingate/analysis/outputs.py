@@ -1,0 +1,34 @@
+"""Writing a measurement's outputs (report.json, report.md, plots) and the number formats of its tables."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+def fmt(v, pct: bool = False, digits: int = 3) -> str:
+    """A table cell: "-" for a missing value (None, NaN); a share as a percentage with 2 decimals;
+    an integer as is; any other number with `digits` significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if pct:
+        return percent(v, 2)
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.{digits}g}"
+
+
+def percent(v: float | None, decimals: int = 1) -> str:
+    """A share as a percentage: 0.125 -> "12.5%"; None -> "-"."""
+    return "-" if v is None else f"{100 * v:.{decimals}f}%"
+
+
+def write_report(report: dict, out: Path, markdown: Callable[[dict], str],
+                 plots: Callable[[dict, Path], Iterable[Path]] | None = None, indent: int = 1) -> list[Path]:
+    """Write `out`/report.json and `out`/report.md (`markdown(report)`), then the plots, if any;
+    returns the plot files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=indent))
+    (out / "report.md").write_text(markdown(report))
+    return list(plots(report, out) or []) if plots else []

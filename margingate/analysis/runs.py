@@ -1,0 +1,171 @@
+"""Running prompts through the engine for a measurement: which prompts share a run, and a
+runner that executes the runs and caches each finished one on disk.
+
+Batch plans (prompt indices per run):
+- hetero: consecutive prompts of the set, wrapping so that every batch is full;
+- homo: one prompt replicated (`homo_limit` prompts at most);
+- alone: each prompt by itself;
+- chunks: consecutive prompts, the last batch possibly short (each prompt once);
+- staggered: every prompt twice, one arriving every few steps, in one continuous-batching run.
+
+A run's results are cached keyed by a hash of everything that determines them (the cache
+format, the kernels' version, model fingerprint, prompt token ids, output length, EOS
+handling, threads, torch, device, and the caller's `spec` of the policies and batches), so a
+re-run with the same settings reuses finished work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import args as cli
+from ..engine import Request
+from ..kernels import VERSION as KERNELS_VERSION
+
+CACHE_VERSION = "flips-v1"  # the format of a cached run (the name predates the other users)
+PLANS = ("hetero", "homo", "alone", "chunks")
+
+
+def batches(n: int, size: int, mode: str, homo_limit: int | None = None) -> list[list[int]]:
+    """Prompt indices per batch (see the module docstring for the modes)."""
+    if mode == "homo":
+        return [[i] * size for i in range(min(n, homo_limit or n))]
+    if mode == "alone":
+        return [[i] for i in range(n)]
+    if mode == "chunks":
+        return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+    if mode == "hetero":
+        return [[(start + j) % n for j in range(size)] for start in range(0, n, size)]
+    raise ValueError(f"unknown batch plan {mode!r} (choose from {', '.join(PLANS)})")
+
+
+def staggered(n: int, copies: int = 2, every: int = 3) -> tuple[list[int], list[int]]:
+    """Prompt indices and arrival steps: each prompt `copies` times (so at different moments and
+    beside different neighbours), one request arriving every `every` steps."""
+    order = list(range(n)) * copies
+    return order, [every * k for k in range(len(order))]
+
+
+def settings_key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class Runner:
+    """Runs groups of requests on one LLM, caching each finished run under `cache_dir` (None: no cache).
+
+    A row of a run is `(prompt index, token ids, stats, packed trace or None)`.
+    """
+
+    def __init__(self, llm, prompt_ids: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+                 cache_dir: Path | None = None, progress: bool = True, tag: str = ""):
+        self.llm, self.ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
+        self.ignore_eos, self.progress, self.tag = ignore_eos, progress, tag
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.base = {"version": CACHE_VERSION, "kernels": KERNELS_VERSION, "model": llm.config.fingerprint(),
+                     "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
+                     "ignore_eos": ignore_eos, "threads": llm.engine.num_threads,
+                     "torch": torch.__version__, "device": str(llm.model.device)}
+
+    def key(self, spec: dict) -> str:
+        return settings_key({**self.base, **spec})
+
+    def _load(self, key: str):
+        if self.cache_dir is None:
+            return None
+        path = self.cache_dir / f"{key}.pt"
+        if path.exists():
+            try:
+                return torch.load(path, weights_only=False)
+            except Exception:  # a broken cache file is recomputed
+                return None
+        return None
+
+    def _save(self, key: str, value) -> None:
+        if self.cache_dir is None:
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_dir / f"{key}.tmp"
+        torch.save(value, tmp)
+        tmp.replace(self.cache_dir / f"{key}.pt")
+
+    def run(self, spec: dict, groups: list[list[int]], make: Callable[[int, int], tuple], desc: str = "",
+            arrivals: list[list[int]] | None = None) -> dict:
+        """Run every group in one `engine.generate`; `make(prompt index, row)` -> (policy, trace or None).
+
+        Without `arrivals` a group is one batch, and may not exceed the engine's max_batch_size;
+        with them (one arrival step per request of each group) it is a stream of requests that the
+        engine admits as they arrive and slots free up. Returns {"rows": [...], "seconds": time in
+        the engine, "spec": spec, "cached": bool}. `spec` must describe everything the run depends
+        on beyond the prompts and the runner's settings.
+        """
+        key = self.key(spec)
+        hit = self._load(key)
+        if hit is not None:
+            hit["cached"] = True
+            return hit
+        engine = self.llm.engine
+        if arrivals is None and max(len(g) for g in groups) > engine.config.max_batch_size:
+            raise ValueError(f"batch size {max(len(g) for g in groups)} exceeds the engine's "
+                             f"max_batch_size {engine.config.max_batch_size}")
+        rows, seconds = [], 0.0
+        for k, g in enumerate(tqdm(groups, desc=f"{self.tag}{desc}", disable=not self.progress, leave=False)):
+            made = [make(i, r) for r, i in enumerate(g)]
+            reqs = [Request(self.ids[i], self.max_new_tokens, pol, ignore_eos=self.ignore_eos, request_id=f"r{r}",
+                            arrival_step=arrivals[k][r] if arrivals else 0)
+                    for r, (i, (pol, _)) in enumerate(zip(g, made))]
+            t = time.perf_counter()
+            results = engine.generate(reqs)
+            seconds += time.perf_counter() - t
+            for i, res, (_, trace) in zip(g, results, made):
+                packed = None
+                if trace is not None:
+                    trace.tokens = list(res.token_ids)
+                    packed = trace.pack()
+                rows.append((i, list(res.token_ids), dict(res.stats), packed))
+        out = {"rows": rows, "seconds": seconds, "spec": spec}
+        self._save(key, out)
+        out["cached"] = False
+        return out
+
+
+# --- the dataset runs of `flips` and `calibrate` ----------------------------------------
+
+def load_prompts(llm, name: str, limit, seed, max_prompt_tokens):
+    from ..data.datasets import dataset_prompts
+
+    prompts = dataset_prompts(name, limit, seed, llm.tokenizer, max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"dataset {name!r}: no prompts left after filtering")
+    return prompts
+
+
+def add_run_args(p) -> None:
+    """The dataset, output length, cache and model options of a cached measurement."""
+    p.add_argument("--dataset", default="builtin",
+                   help="humaneval, sharegpt, champ, builtin, or a JSON-lines file")
+    p.add_argument("--limit", type=int, default=48, help="prompts (a deterministic subset)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the subset")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=400, help="skip longer prompts")
+    p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: fixed length)")
+    p.add_argument("--cache-dir", default=None, help="per-run cache (default: <margingate cache>/runs)")
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    cli.add_model_args(p)
+
+
+def cache_dir_of(args) -> Path | None:
+    if args.no_cache:
+        return None
+    if args.cache_dir:
+        return Path(args.cache_dir)
+    from ..models.loader import cache_root
+
+    return cache_root() / "runs"
