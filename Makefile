@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/margingate demo
 
 test: $(STAMP)
+	$(BIN)/ruff check margingate tests
 	$(BIN)/python -m pytest -q
 
 # At all cores, as users run it (the thread count is in the report).

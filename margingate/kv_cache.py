@@ -6,7 +6,11 @@ only ever looks at positions below a row's current length).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+Column = tuple[torch.Tensor, torch.Tensor]  # one position's K and V, every layer: [layers, kv_heads, head_dim]
 
 
 class KVCache:
@@ -29,6 +33,9 @@ class KVCache:
             raise RuntimeError("no free KV slot")  # the scheduler checks num_free first
         return self._free.pop()
 
+    def view(self, slot: int) -> SlotView:
+        return SlotView(self, slot)
+
     def release(self, slot: int) -> None:
         self._free.append(slot)
         self._free.sort(reverse=True)
@@ -41,9 +48,23 @@ class KVCache:
         self.v[layer, slots, :, positions] = v.to(self.v.dtype)
 
     # --- one column: one position of one request, every layer ------------------
-    def read_column(self, slot: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_column(self, slot: int, pos: int) -> Column:
         return self.k[:, slot, :, pos].clone(), self.v[:, slot, :, pos].clone()
 
-    def write_column(self, slot: int, pos: int, column: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def write_column(self, slot: int, pos: int, column: Column) -> None:
         self.k[:, slot, :, pos] = column[0]
         self.v[:, slot, :, pos] = column[1]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """One request's slot, all a policy may do to the cache: read a position's column (a copy)
+    and overwrite it. Rolling back needs no cache write (see the module docstring)."""
+    kv: KVCache
+    slot: int
+
+    def read(self, pos: int) -> Column:
+        return self.kv.read_column(self.slot, pos)
+
+    def overwrite(self, pos: int, column: Column) -> None:
+        self.kv.write_column(self.slot, pos, column)

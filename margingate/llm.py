@@ -16,7 +16,7 @@ from .kernels import invariant
 from .models.llama import LlamaModel
 from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
 from .models.tokenizer import Tokenizer
-from .policies import DEFAULT_TAU, Policy, make_policy
+from .policies import DEFAULT_TAU, Policy, PolicySpec
 from .profiles import load_profile
 
 
@@ -47,8 +47,14 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk),
                              lambda: self.default_policy)
 
-    def policy(self, name: str, **options) -> Policy:
-        return make_policy(name, default_tau=self.default_tau, **options)
+    def policy(self, spec: PolicySpec | str, **options) -> Policy:
+        """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);
+        margin's tau defaults to this model's calibrated profile."""
+        if isinstance(spec, str):
+            spec = PolicySpec(spec, **options)
+        elif options:
+            spec = spec.replace(**options)
+        return spec.build(self.default_tau)
 
     def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
                  ignore_eos: bool = False) -> list[Request]:

@@ -34,3 +34,31 @@ def prompts():
     from margingate.data.prompts import builtin_prompts
 
     return builtin_prompts()
+
+
+class References:
+    """Each prompt decoded as if alone by the verifier (policy `reference`): the trajectory every
+    deterministic policy promises. Computed once per session, missing ones together in one
+    batch (that a reference in a batch equals decoding alone is itself a test)."""
+
+    def __init__(self, llm, prompts):
+        self.llm, self.prompts = llm, prompts
+        self._done: dict[tuple, object] = {}
+
+    def get(self, indices: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list:
+        """Completions (token_ids, finish_reason) of the built-in prompts `indices`."""
+        keys = [(i, max_new_tokens, ignore_eos) for i in indices]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._done))
+        if missing:
+            out = self.llm.generate([self.prompts[i] for i, _, _ in missing], max_new_tokens=max_new_tokens,
+                                    policy=self.llm.policy("reference"), ignore_eos=ignore_eos)
+            self._done.update(zip(missing, out))
+        return [self._done[k] for k in keys]
+
+    def tokens(self, indices: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+        return [c.token_ids for c in self.get(indices, max_new_tokens, ignore_eos)]
+
+
+@pytest.fixture(scope="session")
+def references(llm, prompts):
+    return References(llm, prompts)

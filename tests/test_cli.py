@@ -50,7 +50,7 @@ def test_check_fast_has_no_gate_figures(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--policy", "nope"], "invalid choice"),
-    (["generate", "hi", "--tau", "nan"], "finite"),
+    (["generate", "hi", "--tau", "nan"], "tau must be a number >= 0"),
     (["generate", "hi", "--tau", "-1"], ">= 0"),
     (["generate", "hi", "--tau", "abc"], "number"),
     (["generate", "hi", "--repair", "glue"], "invalid choice"),

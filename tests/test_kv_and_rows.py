@@ -11,6 +11,7 @@ from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
 from margingate.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
+from margingate.policies import VerifyState
 
 # --- KVCache -----------------------------------------------------------------------
 
@@ -24,11 +25,11 @@ def small_cache(dtype=torch.bfloat16) -> KVCache:
 
 
 def test_kv_column_round_trip():
-    """read_column copies one position of one slot across every layer; write_column puts
-    it back elsewhere and touches nothing else."""
+    """A slot's view reads a copy of one position across every layer; overwriting puts it
+    back elsewhere and touches nothing else."""
     kv = small_cache()
     k0, v0 = kv.k.clone(), kv.v.clone()
-    col = kv.read_column(slot=1, pos=5)
+    col = kv.view(1).read(5)
     assert col[0].shape == col[1].shape == (3, 2, 5)
     assert torch.equal(col[0], k0[:, 1, :, 5]) and torch.equal(col[1], v0[:, 1, :, 5])
 
@@ -36,8 +37,8 @@ def test_kv_column_round_trip():
     assert torch.equal(col[0], k0[:, 1, :, 5])
     kv.k.copy_(k0)
 
-    kv.write_column(slot=2, pos=3, column=col)
-    back = kv.read_column(slot=2, pos=3)
+    kv.view(2).overwrite(3, col)
+    back = kv.view(2).read(3)
     assert torch.equal(back[0], col[0]) and torch.equal(back[1], col[1])
     k0[:, 2, :, 3], v0[:, 2, :, 3] = col
     assert torch.equal(kv.k, k0) and torch.equal(kv.v, v0)
@@ -71,27 +72,30 @@ def test_kv_slots_lowest_first_and_bounded():
 
 
 def test_sequence_rollback():
-    """rollback(n) keeps the first n tokens (prompt included) and lowers canonical_len
-    and released to match; the cache itself is untouched (stale columns are never read)."""
+    """rollback(n) keeps the first n tokens (prompt included) and lowers `released` to match;
+    neither the cache (stale columns are never read) nor the policy's state is touched: the
+    policy that rolls back owns its state."""
     kv = small_cache()
     k_before = kv.k.clone()
-    seq = Sequence(Request([11, 12, 13], max_new_tokens=10), policy=None, stop_ids=frozenset(), kv=kv)
-    seq.slot = 1
+    seq = Sequence(Request([11, 12, 13], max_new_tokens=10), policy=None, stop_ids=frozenset(), cache=kv.view(1))
+    seq.state = VerifyState(canonical_len=7, flagged={6, 7})
     seq.output_ids = [21, 22, 23, 24, 25]
-    seq.canonical_len, seq.released = 7, 5
-    assert (seq.num_tokens, seq.next_pos, seq.token_at(1), seq.token_at(4)) == (8, 7, 12, 22)
+    seq.released = 5
+    assert (seq.num_tokens, seq.last_pos, seq.token_at(1), seq.token_at(4), seq.slot) == (8, 7, 12, 22, 1)
     assert seq.tokens(2, 5) == [13, 21, 22]
 
     seq.rollback(5)
     assert seq.output_ids == [21, 22]
-    assert seq.num_tokens == 5 and seq.next_pos == 4
-    assert seq.canonical_len == 4  # min(7, 5 - 1): the last kept token has no K/V yet
+    assert seq.num_tokens == 5 and seq.last_pos == 4
     assert seq.released == 2
     assert torch.equal(kv.k, k_before)
+    assert seq.state.canonical_len == 7 and seq.state.flagged == {6, 7}
+    seq.state.verified_through(5)  # what a verifying policy does after its rollback
+    assert seq.state.canonical_len == 5 and not seq.state.flagged
 
-    seq.canonical_len, seq.released = 3, 1
-    seq.rollback(4)  # never raises canonical_len or released
-    assert seq.output_ids == [21] and seq.canonical_len == 3 and seq.released == 1
+    seq.released = 1
+    seq.rollback(4)  # never raises released
+    assert seq.output_ids == [21] and seq.released == 1
 
     with pytest.raises(ValueError, match="prompt"):
         seq.rollback(3)
@@ -178,8 +182,8 @@ def test_runner_verify_jobs_equal_one_at_a_time(llm, chunk_case):
     runner = Runner(model, kv)  # takes slot 0 as its scratch slot
     seqs = []
     for slot, ids, out in ((2, b, b[:5]), (1, a, chunk)):
-        s = Sequence(Request(ids, max_new_tokens=32), policy=None, stop_ids=frozenset(), kv=kv)
-        s.slot, s.output_ids = slot, list(out)
+        s = Sequence(Request(ids, max_new_tokens=32), policy=None, stop_ids=frozenset(), cache=kv.view(slot))
+        s.output_ids = list(out)
         prefill(model, kv, slot, ids)
         seqs.append(s)
     jobs = [VerifyJob(seqs[0], len(b), len(b) + 4), VerifyJob(seqs[1], p, p + k - 1)]

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from prompt_sets import SPREAD8 as PICKS
 
 POLICIES = ("reference", "batch-invariant", "margin", "verify-all", "dvr")
-PICKS = (0, 7, 13, 20, 26, 31, 35, 38)
 NEW_TOKENS = 32
 
 SCRIPT = """
@@ -38,9 +38,8 @@ def decode_in_fresh_process(threads: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def alone(llm, prompts):
-    return [llm.generate([prompts[i]], max_new_tokens=NEW_TOKENS, policy=llm.policy("reference"),
-                         ignore_eos=True)[0].token_ids for i in PICKS]
+def alone(references):
+    return references.tokens(PICKS, NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -12,9 +11,9 @@ from tqdm import tqdm
 
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
-from . import sampler
 from .policy import Policy, VerifyJob
 from .runner import Runner
+from .sampler import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 
@@ -33,6 +32,25 @@ class EngineConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+PHASES = ("prefill", "decode", "verify")
+
+
+@dataclass
+class PhaseTotals:
+    """Forwards of one kind since the engine started: how many, their rows, their time."""
+    calls: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the engine holds now: requests waiting for a KV slot, requests holding one."""
+    waiting: int
+    running: int
+    free_slots: int
 
 
 @dataclass
@@ -56,13 +74,21 @@ class Engine:
         self.scheduler = Scheduler(self.kv)
         self.default_policy = default_policy
         self.step_count = 0
-        self.counters: dict[str, float] = defaultdict(float)
+        self.totals = {phase: PhaseTotals() for phase in PHASES}
         self._finished: list[Sequence] = []
         self._aborted: list[Sequence] = []
 
     @property
     def max_len(self) -> int:
         return self.kv.max_len
+
+    @property
+    def load(self) -> Load:
+        s = self.scheduler
+        return Load(len(s.waiting), len(s.running), self.kv.num_free)
+
+    def running_ids(self) -> list[str]:
+        return [seq.request_id for seq in self.scheduler.running]
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -75,7 +101,8 @@ class Engine:
         if max(request.prompt_ids) >= self.model.config.vocab_size or min(request.prompt_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary range")
         stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
-        seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop), kv=self.kv)
+        seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop))
+        seq.state = seq.policy.new_state(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -111,22 +138,21 @@ class Engine:
         t = time.perf_counter()
         out = self.runner.step(prefills, batch)
         self._count("decode" if batch else "prefill", t, rows=len(batch))
-        self.counters["prefill_rows"] += sum(b - a for _, a, b in prefills)
+        self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
         started = []
         for (seq, _, end), logits in zip(prefills, out):
             seq.prefilled = end
             if logits is not None:  # the prompt is complete: its last row chooses the first token
-                seq.canonical_len = seq.prompt_len
-                seq.output_ids.append(int(torch.argmax(sampler.scores(seq, logits, seq.prompt_len))))
+                seq.output_ids.append(int(torch.argmax(scores(seq, logits, seq.prompt_len))))
                 started.append(seq)
         if batch:
-            logits = torch.stack([sampler.scores(s, row, s.next_pos + 1) for s, row in zip(batch, out[len(prefills):])])
+            logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, out[len(prefills):])])
             jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
             if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
                 jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
             verified = self._verify([j for j in jobs if j is not None])
             for seq, row, job in zip(batch, logits, jobs):
-                seq.stats["steps"] += 1
+                seq.steps += 1
                 seq.policy.commit(seq, row, verified.get(id(job)))
         self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
         self.step_count += 1
@@ -136,7 +162,7 @@ class Engine:
         if not jobs:
             return {}
         t = time.perf_counter()
-        out = [sampler.scores(j.seq, rows, j.start + 1) for j, rows in zip(jobs, self.runner.verify(jobs))]
+        out = [scores(j.seq, rows, j.start + 1) for j, rows in zip(jobs, self.runner.verify(jobs))]
         self._count("verify", t, rows=sum(j.rows for j in jobs))
         return {id(j): o for j, o in zip(jobs, out)}
 
@@ -156,18 +182,23 @@ class Engine:
                     still.append(seq)
             stopping = still
 
-    def _count(self, kind: str, t0: float, rows: int) -> None:
-        self.counters[f"{kind}_calls"] += 1
-        self.counters[f"{kind}_rows"] += rows
-        self.counters[f"{kind}_seconds"] += time.perf_counter() - t0
+    def _count(self, phase: str, t0: float, rows: int) -> None:
+        totals = self.totals[phase]
+        totals.calls += 1
+        totals.rows += rows
+        totals.seconds += time.perf_counter() - t0
 
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:
-        stats = seq.policy.report(seq)
-        if stats.get("min_margin") == float("inf"):
-            stats["min_margin"] = None
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
-                      seq.finish_reason or "aborted", stats)
+                      seq.finish_reason or "aborted", seq.policy.report(seq))
+
+    def release(self, seq: Sequence, finished: bool) -> list[int]:
+        """The tokens of `seq` its policy lets go since the last call (all of them once finished)."""
+        n = len(seq.output_ids) if finished else seq.policy.releasable(seq)
+        new = seq.output_ids[seq.released:n]
+        seq.released = max(seq.released, n)
+        return new
 
     def stream(self, requests: list[Request], progress: bool = False) -> Iterator[StreamEvent]:
         """Run requests to completion, yielding tokens as their policies release them.
@@ -184,10 +215,8 @@ class Engine:
             finished = self.step()
             for seq in live:
                 done = seq in finished
-                n = len(seq.output_ids) if done else seq.policy.releasable(seq)
-                if n > seq.released or done:
-                    new = seq.output_ids[seq.released:n]
-                    seq.released = n
+                new = self.release(seq, done)
+                if new or done:
                     yield StreamEvent(seq.request_id, new, done, self.result(seq) if done else None)
             live = [s for s in live if s not in finished]
             bar.update(len(finished))

@@ -1,13 +1,16 @@
 """The interface every determinism policy implements.
 
 A decode step reads: the runner computes logits for every running request
-(each row with the attention kernel its policy asks for), then each policy
-`propose`s: it may ask the verifier to recompute some of its positions. If
-any does, the others may `join` that pass. All those jobs run in one verifier
-pass, and each policy `commit`s: it appends the
-token(s), may overwrite K/V columns or roll back. When a request meets a stop
-condition its policy gets `finish_job` / `confirm_finish` (a strict policy
-re-checks the unverified tail there and may roll back, un-finishing it).
+(each row with the kernels its policy asks for), then each policy `propose`s:
+it may ask the verifier to recompute some of its positions. If any does, the
+others may `join` that pass. All those jobs run in one verifier pass, and each
+policy `commit`s: it appends the token(s), may overwrite K/V columns through
+`seq.cache` or roll back. When a request meets a stop condition its policy gets
+`finish_job` / `confirm_finish` (a strict policy re-checks the unverified tail
+there and may roll back, un-finishing it).
+
+What a policy remembers about a request lives in the state it creates
+(`new_state`, kept in `seq.state`); the engine never reads or writes it.
 """
 from __future__ import annotations
 
@@ -40,12 +43,33 @@ class VerifyJob:
         return self.end + 1 - self.start
 
 
+class PolicyState:
+    """A policy's memory of one request. The base remembers nothing."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the request's determinism report."""
+        return {}
+
+
 class Policy:
     name = "base"
+    #: facts the CLI, the server and the reports read (never string tests on names):
+    #: the request's tokens do not depend on what shares its batch (with these options)
+    deterministic = False
+    #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
+    verifies = False
     #: decode rows through the invariant kernels, attention over exactly their own prefix
     invariant_decode = False
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
+
+    @classmethod
+    def from_spec(cls, spec, default_tau: float) -> Policy:
+        """Build from a validated `PolicySpec`; options this policy does not use are ignored."""
+        return cls()
+
+    def new_state(self, seq: Sequence) -> PolicyState:
+        return PolicyState()
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         """Look at this step's fp32 logits. Return a job to verify, or None."""
@@ -76,4 +100,4 @@ class Policy:
         return {}
 
     def report(self, seq: Sequence) -> dict[str, Any]:
-        return {"policy": self.name, **self.settings(), **seq.stats}
+        return {"policy": self.name, **self.settings(), "steps": seq.steps, **seq.state.stats()}

@@ -46,7 +46,7 @@ class Runner:
         # Prompts always go through the invariant kernels: a prompt's K/V is then the same
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
         spans = [Span(s, a, b, exact=True, invariant=True, want=int(b == s.prompt_len)) for s, a, b in prefills]
-        spans += [Span(s, s.next_pos, s.next_pos + 1, exact=s.policy.invariant_decode,
+        spans += [Span(s, s.last_pos, s.num_tokens, exact=s.policy.invariant_decode,
                        invariant=s.policy.invariant_decode) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)

@@ -21,7 +21,7 @@ class Scheduler:
         admitted = []
         while self.waiting and self.kv.num_free:
             seq = self.waiting.popleft()
-            seq.slot = self.kv.allocate()
+            seq.cache = self.kv.view(self.kv.allocate())
             admitted.append(seq)
         self.running += admitted
         return admitted

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..kv_cache import SlotView
     from .policy import Policy
 
 _ids = itertools.count()
@@ -56,20 +56,12 @@ class Sequence:
     policy: Policy
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    slot: int | None = None
+    cache: SlotView | None = None          # this request's KV slot, set on admission
     prefilled: int = 0                     # prompt positions whose K/V are written
-    # positions [0, canonical_len) hold K/V written by the verifier's kernels
-    # (the prompt's, by the prefill, always do); see policies.margin.
-    canonical_len: int = 0
+    steps: int = 0                         # decode steps taken
     released: int = 0                      # output tokens already handed to the caller
     finish_reason: str | None = None
-    kv: KVCache | None = None           # set by the engine: the cache holding this request's slot
-    pending: Any = None                    # a policy's scratch between propose and commit
-    # positions whose token a gate flagged (low margin) and that still wait for the verifier
-    flagged: set[int] = field(default_factory=set)
-    stats: dict[str, Any] = field(default_factory=lambda: {
-        "steps": 0, "triggers": 0, "repairs": 0, "replayed_tokens": 0, "rollbacks": 0,
-        "min_margin": math.inf})
+    state: Any = None                      # the policy's memory of this request (Policy.new_state)
 
     @property
     def request_id(self) -> str:
@@ -84,8 +76,13 @@ class Sequence:
         return self.prompt_len + len(self.output_ids)
 
     @property
-    def next_pos(self) -> int:
-        """Position of the newest token: the next decode step's input, whose K/V it writes."""
+    def slot(self) -> int | None:
+        return None if self.cache is None else self.cache.slot
+
+    @property
+    def last_pos(self) -> int:
+        """Position of the last token: the next decode step's input, whose K/V that step writes.
+        The token that step emits goes to position `num_tokens`."""
         return self.num_tokens - 1
 
     def token_at(self, pos: int) -> int:
@@ -96,20 +93,12 @@ class Sequence:
         """Tokens at positions [start, end)."""
         return [self.token_at(p) for p in range(start, end)]
 
-    def read_column(self, pos: int):
-        """This request's K/V at one position, every layer."""
-        return self.kv.read_column(self.slot, pos)
-
-    def write_column(self, pos: int, column) -> None:
-        self.kv.write_column(self.slot, pos, column)
-
     def rollback(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (prompt included)."""
+        """Keep only the first `num_tokens` tokens (prompt included). The cache needs no write:
+        positions are absolute and attention never reads past a row's length."""
         if num_tokens <= self.prompt_len:
             raise ValueError("the prompt is never rolled back: keep at least one output token")
         del self.output_ids[num_tokens - self.prompt_len:]
-        self.flagged = {p for p in self.flagged if p < num_tokens}
-        self.canonical_len = min(self.canonical_len, num_tokens - 1)
         self.released = min(self.released, len(self.output_ids))
 
     def should_stop(self, max_len: int) -> str | None:

@@ -11,4 +11,5 @@ from ..engine.policy import Policy
 
 class BatchInvariantPolicy(Policy):
     name = "batch-invariant"
+    deterministic = True
     invariant_decode = True

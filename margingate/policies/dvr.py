@@ -12,28 +12,30 @@ from __future__ import annotations
 import torch
 
 from ..engine.sequence import Sequence
+from .options import DEFAULT_GROUP, DEFAULT_WINDOW, int_at_least
 from .verifying import VerifyingPolicy
-
-DEFAULT_WINDOW = 16
-DEFAULT_GROUP = 4
 
 
 class DVRPolicy(VerifyingPolicy):
     name = "dvr"
+    deterministic = True
 
-    def __init__(self, window: int = DEFAULT_WINDOW, group: int = DEFAULT_GROUP, precision: str = "bf16", **_):
+    def __init__(self, window: int = DEFAULT_WINDOW, group: int = DEFAULT_GROUP, precision: str = "bf16"):
         super().__init__("replay", precision, strict=True)
-        for label, value in (("window", window), ("group", group)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"dvr {label} must be a positive integer, got {value!r}")
+        int_at_least("dvr window", window, 1)
+        int_at_least("dvr group", group, 1)
         self.window, self.group = window, group
         self.pad_to = window
+
+    @classmethod
+    def from_spec(cls, spec, default_tau: float) -> DVRPolicy:
+        return cls(spec.window, spec.group, spec.precision)
 
     def settings(self) -> dict:
         return {"window": self.window, "group": self.group, "verifier_precision": self.precision_name}
 
     def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        return seq.next_pos + 1 - seq.canonical_len >= self.window
+        return seq.num_tokens - seq.state.canonical_len >= self.window
 
     def propose(self, seq, logits):
         job = super().propose(seq, logits)

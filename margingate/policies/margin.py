@@ -21,20 +21,8 @@ import math
 import torch
 
 from ..engine.sequence import Sequence
+from .options import DEFAULT_DEFER, DEFAULT_TAU, int_at_least, parse_tau
 from .verifying import VerifyingPolicy
-
-DEFAULT_TAU = 0.5  # used when the model has no calibrated profile; see README
-DEFAULT_DEFER = 8  # steps a flagged token may wait for a shared pass; see README (bench)
-
-
-def parse_tau(tau) -> float:
-    try:
-        value = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"tau must be a number, got {tau!r}") from None
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"tau must be a number >= 0, got {tau!r}")
-    return value
 
 
 def margin_of(logits: torch.Tensor) -> float:
@@ -44,22 +32,27 @@ def margin_of(logits: torch.Tensor) -> float:
 
 class MarginPolicy(VerifyingPolicy):
     name = "margin"
+    deterministic = True  # with its default options (strict replay); an instance says for its own
 
     def __init__(self, tau: float = DEFAULT_TAU, repair: str = "replay", precision: str = "bf16",
                  strict: bool = True, defer: int = DEFAULT_DEFER):
         super().__init__(repair, precision, strict)
         self.tau = parse_tau(tau)
-        if not isinstance(defer, int) or isinstance(defer, bool) or defer < 0:
-            raise ValueError(f"defer must be an integer >= 0, got {defer!r}")
+        int_at_least("defer", defer, 0)
         # deferring needs the strict replay: only it can take back a token decoded after a late flip
         self.defer = defer if repair == "replay" and strict else 0
+
+    @classmethod
+    def from_spec(cls, spec, default_tau: float) -> MarginPolicy:
+        return cls(default_tau if spec.tau is None else spec.tau, spec.repair, spec.precision, spec.strict,
+                   spec.defer)
 
     def settings(self) -> dict:
         return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
 
     def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
         margin = margin_of(logits)
-        seq.stats["min_margin"] = min(seq.stats["min_margin"], margin)
+        seq.state.min_margin = min(seq.state.min_margin, margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
 
     def propose(self, seq: Sequence, logits: torch.Tensor):
@@ -67,10 +60,11 @@ class MarginPolicy(VerifyingPolicy):
             return super().propose(seq, logits)
         if self.injecting(seq):
             return None
+        state = seq.state
         if self.gate(seq, logits):
-            seq.stats["triggers"] += 1
-            seq.flagged.add(seq.next_pos + 1)  # the position of the token this step emits
-        if seq.flagged and seq.next_pos + 1 - min(seq.flagged) >= self.defer:
+            state.triggers += 1
+            state.flagged.add(seq.num_tokens)  # the position of the token this step emits
+        if state.flagged and seq.num_tokens - min(state.flagged) >= self.defer:
             return self.job(seq)
         return None
 
@@ -79,7 +73,13 @@ class MarginPolicy(VerifyingPolicy):
 
 
 class VerifyAllPolicy(MarginPolicy):
+    """Every step verified, the verifier's column always kept: the history stays canonical."""
     name = "verify-all"
 
-    def __init__(self, precision: str = "bf16", **_):
+    def __init__(self, precision: str = "bf16"):
         super().__init__(tau=math.inf, repair="column-always", precision=precision)
+        self.deterministic = True  # every column is the verifier's: the history stays canonical
+
+    @classmethod
+    def from_spec(cls, spec, default_tau: float) -> VerifyAllPolicy:
+        return cls(spec.precision)

@@ -22,21 +22,25 @@ def parse_precision(name: str) -> torch.dtype:
 
 class ReferencePolicy(Policy):
     name = "reference"
+    deterministic = True
 
     def __init__(self, precision: str = "bf16"):
         self.precision = parse_precision(precision)
         self.precision_name = precision
         self.invariant_decode = self.precision == torch.bfloat16
 
+    @classmethod
+    def from_spec(cls, spec, default_tau: float) -> ReferencePolicy:
+        return cls(spec.precision)
+
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         if self.invariant_decode:
             return None
-        return VerifyJob(seq, seq.next_pos, seq.next_pos, self.precision)
+        return VerifyJob(seq, seq.last_pos, seq.last_pos, self.precision)
 
     def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
         row = logits if verified is None else verified[-1]
         seq.output_ids.append(int(torch.argmax(row)))
-        seq.canonical_len = seq.next_pos
 
     def settings(self) -> dict:
         return {"verifier_precision": self.precision_name}

@@ -18,17 +18,51 @@ a window is full, verify-all at every step. Repairs:
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 
-from ..engine.policy import Policy, VerifyJob
+from ..engine.policy import Policy, PolicyState, VerifyJob
 from ..engine.sequence import Sequence
+from ..kv_cache import Column
 from .reference import parse_precision
 
 REPAIRS = ("replay", "column", "column-always", "none")
 
 
+@dataclass
+class VerifyState(PolicyState):
+    """What a verifying policy remembers about one request."""
+    # positions [0, canonical_len) hold K/V written by the verifier's kernels (the prompt's always do)
+    canonical_len: int
+    # positions whose token the gate flagged (low margin) and that still wait for the verifier
+    flagged: set[int] = field(default_factory=set)
+    pending: Column | None = None     # `column` repair: the fast column, restored if the verifier agrees
+    triggers: int = 0
+    repairs: int = 0
+    replayed_tokens: int = 0
+    rollbacks: int = 0
+    missed_flips: int = 0             # flips the gate did not see, found by a later replay
+    discarded_tokens: int = 0         # tokens decoded after a flip and taken back
+    injected: int = 0                 # testing: the wrong token was emitted
+    min_margin: float = math.inf
+
+    def verified_through(self, num_tokens: int) -> None:
+        """Every position below `num_tokens` now holds the verifier's K/V."""
+        self.canonical_len = num_tokens
+        self.flagged.clear()
+
+    def stats(self) -> dict:
+        return {"triggers": self.triggers, "repairs": self.repairs, "replayed_tokens": self.replayed_tokens,
+                "rollbacks": self.rollbacks, "missed_flips": self.missed_flips,
+                "discarded_tokens": self.discarded_tokens, "injected": self.injected,
+                "min_margin": self.min_margin if math.isfinite(self.min_margin) else None}
+
+
 class VerifyingPolicy(Policy):
     name = "verifying"
+    verifies = True
     #: pad each replay job to this many rows (a fixed verifier shape, as LLM-42 does)
     pad_to: int | None = None
 
@@ -41,6 +75,11 @@ class VerifyingPolicy(Policy):
             raise ValueError(f"unknown repair mode {repair!r} (choose from {', '.join(REPAIRS)})")
         self.repair, self.strict = repair, strict
         self.precision, self.precision_name = parse_precision(precision), precision
+        # with these options: only the strict replay checks every emitted token against the verifier
+        self.deterministic = repair == "replay" and strict
+
+    def new_state(self, seq: Sequence) -> VerifyState:
+        return VerifyState(canonical_len=seq.prompt_len)  # the prompt is prefilled by the invariant kernels
 
     def settings(self) -> dict:
         return {"repair": self.repair, "verifier_precision": self.precision_name, "strict": self.strict}
@@ -50,86 +89,85 @@ class VerifyingPolicy(Policy):
         raise NotImplementedError
 
     def injecting(self, seq: Sequence) -> bool:
-        return self.inject_flip_at == len(seq.output_ids) and not seq.stats.get("injected")
+        return self.inject_flip_at == len(seq.output_ids) and not seq.state.injected
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         if self.injecting(seq):
             return None
         if not self.gate(seq, logits):
             return None
-        seq.stats["triggers"] += 1
+        seq.state.triggers += 1
         return self.job(seq)
 
     def job(self, seq: Sequence) -> VerifyJob:
         """Verify this step's token (with `replay`, everything since the last canonical position)."""
-        pos = seq.next_pos
+        pos = seq.last_pos
         if self.repair == "replay":
-            return VerifyJob(seq, seq.canonical_len, pos, self.precision, self.pad_to)
+            return VerifyJob(seq, seq.state.canonical_len, pos, self.precision, self.pad_to)
         if self.repair != "column-always":
-            seq.pending = seq.read_column(pos)  # the fast column, maybe restored
+            seq.state.pending = seq.cache.read(pos)  # the fast column, maybe restored
         return VerifyJob(seq, pos, pos, self.precision)
 
     def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
+        state: VerifyState = seq.state
         fast_token = int(torch.argmax(logits))
         if verified is None:
             if self.injecting(seq):
-                seq.stats["injected"] = 1
+                state.injected = 1
                 fast_token = int(torch.topk(logits, 2).indices[1])
             seq.output_ids.append(fast_token)
             return
-        seq.stats["replayed_tokens"] += verified.shape[0]
+        state.replayed_tokens += verified.shape[0]
         if self.repair == "replay":
             if self._check_history(seq, verified[:-1]):
                 return  # rolled back to a flip; that step's token is already fixed
-            seq.canonical_len = seq.next_pos + 1
-            seq.flagged.clear()
+            state.verified_through(seq.num_tokens)
         token = int(torch.argmax(verified[-1]))
         if token != fast_token:
-            seq.stats["repairs"] += 1
+            state.repairs += 1
         keep_column = self.repair in ("replay", "column-always") or (self.repair == "column" and token != fast_token)
         if not keep_column:
-            seq.write_column(seq.next_pos, seq.pending)
-        seq.pending = None
+            seq.cache.overwrite(seq.last_pos, state.pending)
+        state.pending = None
         seq.output_ids.append(token)
 
     def _check_history(self, seq: Sequence, rows: torch.Tensor) -> bool:
         """rows[i] are canonical logits at position canonical_len + i; the token after it was emitted
         on the fast path. Returns True if it rolled back to a mismatch."""
-        start = seq.canonical_len
+        state: VerifyState = seq.state
+        start = state.canonical_len
         for i, row in enumerate(rows):
-            expected = int(torch.argmax(row))
-            if expected != seq.token_at(start + i + 1):
-                if start + i + 1 in seq.flagged:  # the gate saw it; its check was deferred
-                    seq.stats["repairs"] += 1
-                else:
-                    seq.stats["missed_flips"] = seq.stats.get("missed_flips", 0) + 1
-                if not self.strict:
-                    continue
-                seq.stats["rollbacks"] += 1
-                seq.stats["discarded_tokens"] = (seq.stats.get("discarded_tokens", 0)
-                                                 + seq.num_tokens - (start + i + 1))
-                seq.rollback(start + i + 1)
-                seq.canonical_len = start + i + 1
-                seq.flagged.clear()
-                seq.output_ids.append(expected)
-                return True
+            expected, pos = int(torch.argmax(row)), start + i + 1
+            if expected == seq.token_at(pos):
+                continue
+            if pos in state.flagged:  # the gate saw it; its check was deferred
+                state.repairs += 1
+            else:
+                state.missed_flips += 1
+            if not self.strict:
+                continue
+            state.rollbacks += 1
+            state.discarded_tokens += seq.num_tokens - pos
+            seq.rollback(pos)
+            state.verified_through(pos)
+            seq.output_ids.append(expected)
+            return True
         return False
 
     def finish_job(self, seq: Sequence) -> VerifyJob | None:
         last_written = seq.num_tokens - 2  # the final token was never fed back
-        if self.repair != "replay" or not self.strict or seq.canonical_len > last_written:
+        if self.repair != "replay" or not self.strict or seq.state.canonical_len > last_written:
             return None
-        return VerifyJob(seq, seq.canonical_len, last_written, self.precision, self.pad_to)
+        return VerifyJob(seq, seq.state.canonical_len, last_written, self.precision, self.pad_to)
 
     def confirm_finish(self, seq: Sequence, verified: torch.Tensor) -> bool:
-        seq.stats["replayed_tokens"] += verified.shape[0]
+        seq.state.replayed_tokens += verified.shape[0]
         if self._check_history(seq, verified):
             return False
-        seq.canonical_len = seq.num_tokens - 1
-        seq.flagged.clear()
+        seq.state.verified_through(seq.num_tokens - 1)
         return True
 
     def releasable(self, seq: Sequence) -> int:
-        if self.repair == "replay" and self.strict:
-            return min(len(seq.output_ids), seq.canonical_len - seq.prompt_len + 1)  # verified tokens only
+        if self.repair == "replay" and self.strict:  # verified tokens only
+            return min(len(seq.output_ids), seq.state.canonical_len - seq.prompt_len + 1)
         return len(seq.output_ids)

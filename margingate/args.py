@@ -1,0 +1,116 @@
+"""Command-line pieces every subcommand shares: argument types, the model and policy options,
+and turning parsed arguments into prompts, an `LLM` and a `PolicySpec`."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from .data.prompts import Prompt, builtin_prompts, load_prompts_file
+from .models.loader import DEFAULT_MODEL
+from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICIES, PRECISIONS, REPAIRS, PolicySpec
+from .policies.options import parse_tau
+
+# --- argument types: each names the problem in its message -------------------------------
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers: "4,16"."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def int_list_or_none(text: str) -> list[int]:
+    """Like int_list; "none" (or nothing) is the empty list."""
+    return [] if text.strip().lower() in ("none", "") else int_list(text)
+
+
+def tau(text: str) -> float:
+    try:
+        return parse_tau(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --- shared options ----------------------------------------------------------------------
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded model name or a local Hugging Face folder (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: all cores; the tokens do not depend on it)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
+                   help="positions per request (prompt + output)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
+                   help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
+
+
+def add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--policy", default=default, choices=list(POLICIES))
+    p.add_argument("--tau", type=tau, default=None,
+                   help="margin threshold in logits; inf verifies every step (default: the model profile's)")
+    p.add_argument("--repair", default="replay", choices=REPAIRS)
+    p.add_argument("--verifier-precision", default="bf16", choices=list(PRECISIONS))
+    p.add_argument("--no-strict", action="store_true", help="margin/replay: never roll back emitted tokens")
+    p.add_argument("--defer", type=non_negative_int, default=DEFAULT_DEFER,
+                   help="margin/replay: steps a flagged token may wait for a shared verifier pass (0: at once)")
+    p.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW, help="dvr: tokens per verified window")
+    p.add_argument("--group", type=positive_int, default=DEFAULT_GROUP,
+                   help="dvr: requests per fixed-shape verifier pass")
+    p.add_argument("--inject-flip-at", type=non_negative_int, default=None, metavar="K",
+                   help="testing: emit a wrong token at output index K to exercise rollback")
+
+
+def add_prompt_args(p: argparse.ArgumentParser, limit: int | None, what: str = "use only the first N prompts") -> None:
+    p.add_argument("--prompts-file", help="JSON lines: {prompt|messages|text: ...} (default: the built-in prompts)")
+    p.add_argument("--limit", type=non_negative_int, default=limit, help=f"{what} (0: all)")
+
+
+# --- from arguments to objects -----------------------------------------------------------
+
+
+def policy_spec(args) -> PolicySpec:
+    return PolicySpec(args.policy, tau=args.tau, repair=args.repair, precision=args.verifier_precision,
+                      strict=not args.no_strict, defer=args.defer, window=args.window, group=args.group,
+                      inject_flip_at=args.inject_flip_at)
+
+
+def prompts(args) -> list[Prompt]:
+    out = [Prompt("chat", ({"role": "user", "content": t},), None, f"argv:{i}")
+           for i, t in enumerate(getattr(args, "prompt", None) or [])]
+    if args.prompts_file:
+        out += load_prompts_file(args.prompts_file)
+    limit = getattr(args, "limit", None)
+    if not out:
+        out = builtin_prompts()
+        if limit and limit < len(out):  # spread over the categories, not the first N (all math)
+            return [out[i * len(out) // limit] for i in range(limit)]
+    return out[:limit] if limit else out
+
+
+def llm(args, max_batch_size: int):
+    from .llm import LLM  # loads torch and the kernels: only when a command runs
+
+    return LLM(args.model, device=args.device, max_batch_size=max_batch_size,
+               max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk)

@@ -1,0 +1,28 @@
+"""Policy option defaults and the checks of single values, shared by the spec and the policies."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DEFAULT_TAU = 0.5    # margin, when the model has no calibrated profile; see README
+DEFAULT_DEFER = 8    # margin: steps a flagged token may wait for a shared pass; see README (bench)
+DEFAULT_WINDOW = 16  # dvr: tokens per verified window
+DEFAULT_GROUP = 4    # dvr: requests per fixed-shape verifier pass
+
+
+def parse_tau(tau: Any) -> float:
+    """A margin threshold in logits: a number >= 0; inf verifies every step."""
+    if isinstance(tau, bool):
+        raise ValueError(f"tau must be a number, got {tau!r}")
+    try:
+        value = float(tau)
+    except (TypeError, ValueError):
+        raise ValueError(f"tau must be a number, got {tau!r}") from None
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"tau must be a number >= 0, got {tau!r}")
+    return value
+
+
+def int_at_least(label: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")

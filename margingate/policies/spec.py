@@ -1,0 +1,105 @@
+"""`PolicySpec`: a policy by name and options, validated in one place.
+
+The CLI, the HTTP protocol, the bench's variants and `LLM.policy` all build one, so there
+is one set of defaults and one set of error messages. Options a policy does not use are
+ignored (a `tau` given to `dvr` does nothing), but a bad value is refused whatever the policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..engine.policy import Policy
+from .batch_invariant import BatchInvariantPolicy
+from .dvr import DVRPolicy
+from .fast import FastPolicy
+from .layercast import LayerCastPolicy
+from .margin import MarginPolicy, VerifyAllPolicy
+from .options import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_TAU, DEFAULT_WINDOW, int_at_least, parse_tau
+from .reference import PRECISIONS, ReferencePolicy
+from .verifying import REPAIRS, VerifyingPolicy
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    FastPolicy, ReferencePolicy, MarginPolicy, VerifyAllPolicy, DVRPolicy, BatchInvariantPolicy, LayerCastPolicy)}
+
+class PolicyOptionError(ValueError):
+    """A bad policy option; `option` names the PolicySpec field."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str = "fast"
+    tau: float | None = None          # margin: the logit margin below which a step is verified; None: the profile's
+    repair: str = "replay"            # margin: replay | column | column-always | none
+    precision: str = "bf16"           # the verifier's compute precision: bf16 | fp32
+    strict: bool = True               # margin/replay: roll back emitted tokens that a late check disproves
+    defer: int = DEFAULT_DEFER        # margin/replay: steps a flagged token may wait for a shared pass
+    window: int = DEFAULT_WINDOW      # dvr
+    group: int = DEFAULT_GROUP        # dvr
+    inject_flip_at: int | None = None  # testing: emit a wrong token at this output index (verifying policies)
+
+    def __post_init__(self):
+        for option, check in (("name", self._check_name), ("tau", self._check_tau), ("repair", self._check_repair),
+                              ("precision", self._check_precision), ("strict", self._check_strict),
+                              ("defer", lambda: int_at_least("defer", self.defer, 0)),
+                              ("window", lambda: int_at_least("dvr window", self.window, 1)),
+                              ("group", lambda: int_at_least("dvr group", self.group, 1)),
+                              ("inject_flip_at", self._check_inject)):
+            try:
+                check()
+            except ValueError as exc:
+                raise PolicyOptionError(option, str(exc)) from None
+
+    def _check_name(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r} (choose from {', '.join(POLICIES)})")
+
+    def _check_tau(self):
+        if self.tau is not None:
+            object.__setattr__(self, "tau", parse_tau(self.tau))
+
+    def _check_repair(self):
+        if self.repair not in REPAIRS:
+            raise ValueError(f"unknown repair mode {self.repair!r} (choose from {', '.join(REPAIRS)})")
+
+    def _check_precision(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown verifier precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+
+    def _check_strict(self):
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be true or false, got {self.strict!r}")
+
+    def _check_inject(self):
+        if self.inject_flip_at is not None:
+            int_at_least("inject_flip_at", self.inject_flip_at, 0)
+            if not issubclass(self.policy_class, VerifyingPolicy):
+                raise ValueError(f"inject_flip_at needs a verifying policy, not {self.name}")
+
+    @property
+    def policy_class(self) -> type[Policy]:
+        return POLICIES[self.name]
+
+    def replace(self, **changes) -> PolicySpec:
+        return dataclasses.replace(self, **changes)
+
+    def build(self, default_tau: float = DEFAULT_TAU) -> Policy:
+        """A fresh policy object (policies hold no per-request state; one may serve many requests)."""
+        policy = self.policy_class.from_spec(self, default_tau)
+        if self.inject_flip_at is not None:
+            policy.inject_flip_at = self.inject_flip_at
+        return policy
+
+    @property
+    def deterministic(self) -> bool:
+        """Do these options promise tokens independent of the batch?"""
+        return self.build().deterministic
+
+
+def deterministic_policies() -> list[str]:
+    """Names whose defaults promise determinism (what a server's `"deterministic": true` may mean)."""
+    return [name for name, cls in POLICIES.items() if cls.deterministic]

@@ -1,0 +1,79 @@
+"""`PolicySpec`: one validation of policy options for the CLI, the server, the bench and the API;
+policy facts come from the policy classes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from margingate.args import policy_spec
+from margingate.cli import build_parser
+from margingate.policies import POLICIES, PolicyOptionError, PolicySpec, deterministic_policies
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match=r"unknown policy 'nope' \(choose from .*margin"):
+        PolicySpec("nope")
+
+
+@pytest.mark.parametrize("tau", [-1, math.nan, "abc", True])
+def test_bad_tau(tau):
+    """A negative, NaN or non-numeric tau is refused with a message naming tau, whatever the policy."""
+    for name in ("margin", "fast"):
+        with pytest.raises(PolicyOptionError, match="tau must be a number") as exc:
+            PolicySpec(name, tau=tau)
+        assert exc.value.option == "tau"
+
+
+def test_edge_taus_accepted():
+    """tau = 0 (exact ties only) and tau = inf (every step) are valid."""
+    assert PolicySpec("margin", tau=0).build().tau == 0.0
+    assert PolicySpec("margin", tau="inf").build().tau == math.inf
+
+
+@pytest.mark.parametrize("options, option, needle", [
+    ({"repair": "bogus"}, "repair", "unknown repair mode 'bogus'"),
+    ({"precision": "fp16"}, "precision", "unknown verifier precision 'fp16'"),
+    ({"defer": -1}, "defer", "defer must be an integer >= 0"),
+    ({"window": 0}, "window", "dvr window must be an integer >= 1"),
+    ({"group": 1.5}, "group", "dvr group must be an integer >= 1"),
+    ({"strict": "yes"}, "strict", "strict must be true or false"),
+    ({"inject_flip_at": 3, "name": "fast"}, "inject_flip_at", "needs a verifying policy"),
+])
+def test_bad_options_name_the_option(options, option, needle):
+    with pytest.raises(PolicyOptionError, match=needle) as exc:
+        PolicySpec(**{"name": "margin", **options})
+    assert exc.value.option == option
+
+
+def test_defaults_and_build():
+    """One set of defaults: a spec's build gets them; margin's tau falls back to the model's."""
+    margin = PolicySpec("margin").build(default_tau=0.25)
+    assert (margin.tau, margin.repair, margin.strict, margin.defer) == (0.25, "replay", True, 8)
+    dvr = PolicySpec("dvr", tau=0.1).build()  # options a policy does not use are ignored
+    assert (dvr.window, dvr.group, dvr.pad_to) == (16, 4, 16)
+    assert PolicySpec("margin", inject_flip_at=2).build().inject_flip_at == 2
+    assert PolicySpec("margin").replace(tau=0.5).build().tau == 0.5
+
+
+def test_facts_come_from_the_classes():
+    """Which policies promise determinism, and with which options (a non-strict or column margin
+    does not: a flip the gate misses is never taken back)."""
+    assert set(deterministic_policies()) == {"reference", "margin", "verify-all", "dvr", "batch-invariant"}
+    assert not POLICIES["fast"].deterministic and not POLICIES["layercast"].deterministic
+    assert PolicySpec("margin").build().deterministic and PolicySpec("verify-all").build().deterministic
+    assert not PolicySpec("margin", strict=False).build().deterministic
+    assert not PolicySpec("margin", repair="column").build().deterministic
+    assert {n for n, cls in POLICIES.items() if cls.verifies} == {"margin", "verify-all", "dvr"}
+
+
+def test_cli_accepts_every_tau_the_spec_does(capsys):
+    """--tau inf is valid (it verifies every step), as it is for PolicySpec and HTTP; bad ones
+    are refused by the parser with the spec's message."""
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--policy", "margin", "--tau", "inf", "--defer", "0", "x"])
+    assert policy_spec(args) == PolicySpec("margin", tau=math.inf, defer=0)
+    for bad in ("-1", "nan", "abc"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "--tau", bad])
+        assert "tau must be a number" in capsys.readouterr().err
