@@ -77,3 +77,12 @@ def test_cli_accepts_every_tau_the_spec_does(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "--tau", bad])
         assert "tau must be a number" in capsys.readouterr().err
+
+
+def test_package_exports():
+    """`from margingate import LLM, PolicySpec` works; other names still fail loudly."""
+    import margingate
+    from margingate.llm import LLM
+    assert margingate.PolicySpec is PolicySpec and margingate.LLM is LLM
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        margingate.nope  # noqa: B018

@@ -27,6 +27,7 @@ from margingate.engine import Engine, EngineConfig  # noqa: E402
 from margingate.policies import DEFAULT_DEFER  # noqa: E402
 from margingate.server.app import create_app  # noqa: E402
 from margingate.server.background import BackgroundServer  # noqa: E402
+from margingate.server.config import ServerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -487,6 +488,13 @@ def test_options_without_a_policy_take_the_server_default(keyed_server):
         assert report(determinism={"policy": "margin", "tau": 0.3})["policy"] == "margin"
         assert report()["policy"] == "fast"
     assert poll(lambda: is_idle(keyed_server), 30)
+
+
+@pytest.mark.parametrize("policy", ["fast", "layercast", "nope"])
+def test_default_policy_must_promise_determinism(policy):
+    """`"deterministic": true` must never run a policy that does not promise it."""
+    with pytest.raises(ValueError, match="default_policy must promise determinism"):
+        ServerConfig(default_policy=policy)
 
 
 # --- shutdown ----------------------------------------------------------------------------------

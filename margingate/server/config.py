@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..policies import deterministic_policies
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -16,6 +18,9 @@ class ServerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "api_key", self.api_key or None)  # "" means no key
+        if self.default_policy not in deterministic_policies():
+            raise ValueError(f'default_policy must promise determinism (it is what "deterministic": true '
+                             f'means): one of {", ".join(deterministic_policies())}, got {self.default_policy!r}')
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:
