@@ -81,6 +81,7 @@ class LLM:
                 "cpu": _cpu_info("model name") or platform.processor() or "unknown",
                 "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
                 "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION,
+                "kernels_linear_path": invariant.linear_path(),
                 "python": platform.python_version()}
 
 

@@ -77,6 +77,54 @@ def test_linear_is_correct(dtype):
     assert ((got - exact).abs() <= tol * exact.abs().clamp_min(1.0)).all()
 
 
+def pairs_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bf16 linear's documented order, step by step in fp32 (csrc/invariant.cpp): k padded to
+    32; per chunk, lane l adds x[2l+1] * w[2l+1], then x[2l] * w[2l] (each product of two bf16 is
+    exact in fp32, so every step is one rounding, as an FMA); then lanes l and l + 8 are added and
+    the 8 sums reduced as (0..3 + 4..7), then pairs, then the last two. Result rounded to bf16."""
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    xp = torch.zeros(m, kp, dtype=torch.float32)
+    wp = torch.zeros(w.shape[0], kp, dtype=torch.float32)
+    xp[:, :k], wp[:, :k] = x.float(), w.float()
+    xs, ws = xp.view(m, 1, kp // 32, 16, 2), wp.view(1, -1, kp // 32, 16, 2)
+    acc = torch.zeros(m, w.shape[0], 16, dtype=torch.float32)
+    for c in range(kp // 32):
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]  # exact product, one rounding
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    return (s2[..., 0] + s2[..., 1]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("k", [64, 70, 576])
+def test_bf16_linear_follows_its_documented_order(k):
+    """Bitwise what the documented order gives, on this CPU whichever path it takes: the order is
+    a specification, so every CPU with AVX2 and FMA computes the same bits."""
+    w, x = randn(29, k, seed=10, scale=0.05), randn(5, k, seed=11)
+    assert torch.equal(K.linear(x, w).view(torch.int16), pairs_order_reference(x, w).view(torch.int16))
+
+
+@pytest.mark.skipif(K.ops().linear_isa() != "avx512_bf16", reason="this CPU has no AVX512-BF16: one path only")
+@pytest.mark.parametrize("scale", [1.0, 1e-19, 1e12], ids=["normal", "denormal-products", "large"])
+def test_bf16_linear_avx512_bf16_equals_the_avx2_emulation(scale):
+    """Where vdpbf16ps exists the kernel uses it; its bits equal the AVX2 emulation's, denormal
+    flushing included, at every tile shape and reduction tail."""
+    ops = K.ops()
+    for (n, k) in [(960, 576), (29, 70), (13, 33), (50, 31)]:
+        w, b = randn(n, k, seed=12, scale=scale), randn(n, seed=13)
+        for m in (1, 2, 3, 4, 5, 9, 16):
+            x = randn(m, k, seed=14 + m)
+            native = K.linear(x, w, b)
+            ops.force_avx2(True)
+            try:
+                emulated = K.linear(x, w, b)
+            finally:
+                ops.force_avx2(False)
+            assert torch.equal(native.view(torch.int16), emulated.view(torch.int16)), (n, k, m)
+
+
 # --- attention -----------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from . import compare, plots
 from .outputs import percent, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
+from .roofline import StepCost, format_roofline, measure, roofline
 from .runs import Runner
 
 # variant name -> the policy "protected" requests get; the rest run UNPROTECTED.
@@ -145,14 +146,16 @@ def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
 
 
 def format_table(title: str, summary: dict) -> str:
-    head = ("| policy | time s (median, min-max) | tok/s | overhead | seq. det. | trigger | repair | "
-            "replayed | rollbacks | incr. / margin |")
-    lines = [f"### {title}", "", head, "|" + "---|" * 10]
+    head = ("| policy | time s (median, min-max) | tok/s | ms/tok | of floor | overhead | seq. det. | trigger | "
+            "repair | replayed | rollbacks | incr. / margin |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 12]
     for v, r in summary.items():
         inc = r.get("increment_ratio_over_margin")
         lines.append(f"| {v} | {r['seconds_median']:.2f} ({r['seconds_min']:.2f}-{r['seconds_max']:.2f}) | "
-                     f"{r['tokens_per_s']:.1f} | {percent(r.get('overhead'))} | {percent(r['sequence_determinism'])} | "
-                     f"{percent(r['trigger_rate'])} | {percent(r['repair_rate'])} | {r['replayed_tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ms_per_token_per_request']:.1f} | "
+                     f"{percent(r.get('floor_fraction'))} | {percent(r.get('overhead'))} | "
+                     f"{percent(r['sequence_determinism'])} | {percent(r['trigger_rate'])} | "
+                     f"{percent(r['repair_rate'])} | {r['replayed_tokens']} | "
                      f"{r['rollbacks']} | {'-' if inc is None else f'{inc:.2f}x'} |")
     return "\n".join(lines)
 
@@ -166,6 +169,7 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
               "peers": {}}
     references: dict = {}
     peers = peers or {}
+    floor = None
     in_process = {k: p for k, p in peers.items() if hasattr(p, "run_once")}
     for b in batch_sizes:
         external = {}
@@ -176,9 +180,14 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
                 report["peers"][name] = {"version": res["version"]}
         llm = llm_factory(b)
         report["environment"] = llm.environment()
+        if floor is None:  # the machine's bandwidth and GEMM rate at the engine's thread count
+            report["roofline"] = floor = roofline(StepCost.of(llm.config), measure(llm.engine.num_threads),
+                                                  [len(p) for p in prompts_ids], max_new_tokens, batch_sizes)
         bench = Bench(llm, progress, references, in_process)
-        report["main"][f"B{b}"] = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup,
-                                                external)
+        summary = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup, external)
+        for row in summary.values():
+            row["floor_fraction"] = row["tokens_per_s"] / floor["floor"][f"B{b}"]["tokens_per_s"]
+        report["main"][f"B{b}"] = summary
         if profile_passes and b == max(batch_sizes) and len(prompts_ids) >= b:
             report["pass_profile"] = pass_profile(llm, prompts_ids, repeats=max(3, repeats))
         bench.peers = {}  # the protected-share sweep is about our policies only
@@ -201,6 +210,8 @@ def markdown(report: dict) -> str:
              f"({env.get('cpu', '?')}; {', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), torch {env.get('torch')}, "
              f"{env.get('num_threads')} threads, kernels v{env.get('kernels_version')}, "
              f"tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
+    if report.get("roofline"):
+        parts.append(format_roofline(report["roofline"]))
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
         peers = [v for v in summary if v in {c.name for c in PEERS.values()}]

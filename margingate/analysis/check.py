@@ -105,7 +105,8 @@ def format_table(report: dict) -> str:
     lines.append(f"{'all':>5} {'':<10} {_rates_cells(report)}")
     env = report.get("environment", {})
     lines.append(f"token ids sha256 {report['tokens_sha256'][:16]} (references and every run); "
-                 f"{env.get('num_threads')} threads, {env.get('cpu')} ({', '.join(env.get('cpu_isa', []))})")
+                 f"{env.get('num_threads')} threads, {env.get('cpu')} ({', '.join(env.get('cpu_isa', []))}), "
+                 f"kernels v{env.get('kernels_version')} (bf16 linear: {env.get('kernels_linear_path')})")
     return "\n".join(lines)
 
 

@@ -118,7 +118,7 @@ def bench_plots(report: dict, out: Path, baseline: str) -> list[Path]:
     protected-share sweep."""
     paths = [_overhead(key, summary, baseline, out) for key, summary in report["main"].items()]
     if len(report["main"]) > 1:
-        paths.append(_batch_size_curve(report["main"], out))
+        paths.append(_batch_size_curve(report["main"], out, report.get("roofline")))
     if report.get("protected_sweep"):
         paths.append(_protected_sweep(report["protected_sweep"], baseline, out))
     return paths
@@ -136,12 +136,18 @@ def _overhead(key: str, summary: dict, baseline: str, out: Path) -> Path:
     return _save(fig, out / f"overhead_{key}.png")
 
 
-def _batch_size_curve(main: dict, out: Path) -> Path:
+def _batch_size_curve(main: dict, out: Path, roofline: dict | None = None) -> Path:
+    """Tokens/s and overhead against B for every policy and peer; the machine's floor drawn in."""
     sizes = sorted(int(k[1:]) for k in main)
     fig, axes = _plt().subplots(1, 2, figsize=(11, 4))
     for v in main[f"B{sizes[0]}"]:
         axes[0].plot(sizes, [main[f"B{b}"][v]["tokens_per_s"] for b in sizes], "o-", label=v)
         axes[1].plot(sizes, [100 * main[f"B{b}"][v].get("overhead", 0) for b in sizes], "o-", label=v)
+    if roofline:
+        axes[0].plot(sizes, [roofline["floor"][f"B{b}"]["tokens_per_s"] for b in sizes], "k--",
+                     label="floor (roofline)")
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=7)
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("time overhead over fast (%)")
     for ax in axes:

@@ -50,7 +50,15 @@ def ops():
         raise KernelBuildError(f"building margingate's invariant kernels failed: {exc}") from exc
     if not mod.cpu_supported():
         raise KernelBuildError("margingate's invariant kernels need a CPU with AVX2 and FMA")
+    # The AVX2 emulation of vdpbf16ps even where the instruction exists: the same bits, slower;
+    # for auditing that claim end to end (`MARGINGATE_FORCE_AVX2=1 margingate check ...`).
+    mod.force_avx2(os.environ.get("MARGINGATE_FORCE_AVX2", "") == "1")
     return mod
+
+
+def linear_path() -> str:
+    """The bf16 linear's path on this CPU: "avx512_bf16" (the instruction) or "avx2" (its emulation)."""
+    return ops().linear_isa()
 
 
 def _has_ninja_module() -> bool:

@@ -1,16 +1,19 @@
 // Batch-invariant CPU kernels: every reduction has an order fixed by the row alone.
 //
-// Each output element is reduced by the same instruction sequence whatever the
-// number of rows, the row's place among them, the thread count, or the call it
-// arrives in (prefill, chunk, decode step, verifier replay). Threads split output
-// tiles, never a reduction. The code uses AVX2 + FMA intrinsics only (no
-// CPU-dependent library dispatch), so the bits are also the same on every x86
-// CPU that has them.
+// Each output element is reduced by the same arithmetic whatever the number of rows,
+// the row's place among them, the thread count, or the call it arrives in (prefill,
+// chunk, decode step, verifier replay). Threads split output tiles, never a
+// reduction. The code uses AVX2 + FMA intrinsics (no CPU-dependent library
+// dispatch), and AVX512-BF16 only where it computes the very same bits, so results
+// are also the same on every x86 CPU with AVX2 and FMA.
 //
 // Reduction orders, in one place:
-// - dot products (linear, q.k): 8 fp32 lanes; lane l accumulates the products of
-//   a fixed set of k (one FMA chain, k ascending); then `hsum` adds the lanes in a
-//   fixed tree.
+// - linear with bf16 activations: the order of AVX512-BF16's vdpbf16ps on 16 fp32
+//   lanes (see `linear_bf16` below); CPUs with that instruction run it, the others
+//   emulate it exactly with AVX2 FMAs.
+// - other dot products (fp32 linear, q.k): 8 fp32 lanes; lane l accumulates the
+//   products of a fixed set of k (one FMA chain, k ascending); then `hsum` adds the
+//   lanes in a fixed tree.
 // - attention: keys in fixed chunks of kChunk positions counted from position 0;
 //   online softmax merges the chunks in ascending order.
 // - rmsnorm: sum of squares as for dot products.
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -182,6 +186,171 @@ void linear_block(const float* x, int64_t m, int64_t kp, const uint16_t* w, int6
     sweep_rows(x, m, kp, w + nb * k, k, k, out + nb, ldo, std::min(kNB, n1 - nb));
 }
 
+// ---- linear with bf16 activations -----------------------------------------------
+// The reduction order is vdpbf16ps's on a 16-lane fp32 accumulator. k is padded with
+// zeros to a multiple of 32. For every chunk of 32 k (ascending), lane l adds the product
+// of pair element 2l+1, then of element 2l: acc = fma(x[2l], w[2l], fma(x[2l+1], w[2l+1], acc)).
+// Products of two bf16 are exact in fp32, so each step is one rounding; denormal inputs
+// and results are flushed to zero (vdpbf16ps's rule; AVX2 gets it from MXCSR FTZ|DAZ).
+// At the end lanes l and l + 8 are added and `hsum` adds the 8 sums. Checked bitwise
+// against the instruction (tests/test_kernels.py runs both paths where it exists).
+constexpr int64_t kK = 32;  // k per chunk
+
+int g_isa = -1;  // 1: vdpbf16ps, 0: AVX2 emulation; -1: not chosen yet
+
+bool has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
+int isa() {
+  if (g_isa < 0) g_isa = has_avx512_bf16() ? 1 : 0;
+  return g_isa;
+}
+
+struct FlushDenormals {  // FTZ | DAZ for this thread while in scope
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// One column's 32-k tail chunk, zero padded (k % 32 != 0).
+inline void padded_tail(const uint16_t* w, int64_t kfull, int64_t k, uint16_t* pad) {
+  std::memset(pad, 0, kK * sizeof(uint16_t));
+  std::memcpy(pad, w + kfull, (k - kfull) * sizeof(uint16_t));
+}
+
+// AVX2: x is pre-split per 16-block into [x[2l+1] for l < 8][x[2l] for l < 8] as fp32, so a
+// tile only splits W. Each 16-block feeds lanes 0-7 (first half of a chunk) or 8-15.
+struct Avx2Pairs {
+  static constexpr int kTiles[5][2] = {{0, 0}, {1, 12}, {2, 6}, {3, 4}, {4, 3}};  // rows -> {MR, NR}
+  template <int MR, int NR>
+  static void tile(const float* xs, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out,
+                   int64_t ldo) {
+    const int64_t kfull = k & ~(kK - 1);
+    alignas(32) float lo[MR][NR][8];
+    for (int h = 0; h < 2; ++h) {  // lanes 0-7, then lanes 8-15: independent accumulators
+      __m256 acc[MR][NR];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+      alignas(32) uint16_t pad[NR][kK];
+      for (int64_t c = 0; c < kp; c += kK) {
+        const int64_t b = c + 16 * h;
+        for (int j = 0; j < NR; ++j) {
+          const uint16_t* src = w + j * ldw + b;
+          if (c >= kfull) {
+            padded_tail(w + j * ldw, kfull, k, pad[j]);
+            src = pad[j] + 16 * h;
+          }
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
+          for (int i = 0; i < MR; ++i) {
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i * kp + b), wo, acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i * kp + b + 8), we, acc[i][j]);
+          }
+        }
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) {
+          if (h == 0) _mm256_store_ps(lo[i][j], acc[i][j]);
+          else out[i * ldo + j] = hsum(_mm256_add_ps(_mm256_load_ps(lo[i][j]), acc[i][j]));
+        }
+    }
+  }
+  static std::vector<float> prepare(const at::Tensor& x, int64_t kp) {
+    const int64_t m = x.size(0), k = x.size(1);
+    const uint16_t* src = u16(x);
+    std::vector<float> xs(m * kp, 0.0f);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < k; ++j) {  // element j of block b: odd ones first, then even ones
+        const int64_t b = j & ~int64_t(15), l = (j & 15) >> 1;
+        xs[r * kp + b + ((j & 1) ? l : 8 + l)] = bf16_value(src[r * k + j]);
+      }
+    return xs;
+  }
+};
+
+// AVX512-BF16: the instruction itself, on x rows kept as zero-padded bf16.
+struct Avx512Pairs {
+  static constexpr int kTiles[5][2] = {{0, 0}, {1, 12}, {2, 12}, {3, 6}, {4, 6}};
+  template <int MR, int NR>
+  __attribute__((target("avx512f,avx512bf16"))) static void tile(
+      const uint16_t* xb, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
+    const int64_t kfull = k & ~(kK - 1);
+    __m512 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    alignas(64) uint16_t pad[kK];
+    for (int64_t c = 0; c < kp; c += kK) {
+      __m512bh xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(xb + i * kp + c);
+      for (int j = 0; j < NR; ++j) {
+        const uint16_t* src = w + j * ldw + c;
+        if (c >= kfull) {
+          padded_tail(w + j * ldw, kfull, k, pad);
+          src = pad;
+        }
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(src);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {
+        const __m256 lo = _mm512_castps512_ps256(acc[i][j]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1));
+        out[i * ldo + j] = hsum(_mm256_add_ps(lo, hi));
+      }
+  }
+  static std::vector<uint16_t> prepare(const at::Tensor& x, int64_t kp) {
+    const int64_t m = x.size(0), k = x.size(1);
+    std::vector<uint16_t> xb(m * kp, 0);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&xb[r * kp], u16(x) + r * k, k * sizeof(uint16_t));
+    return xb;
+  }
+};
+
+// Columns [n0, n1) of W for every row of x, in blocks of kNB columns; the tile shape (MR x NR)
+// only decides which accumulators live in registers together, never an element's order.
+template <typename P, typename X>
+void pairs_block(const X* x, int64_t m, int64_t kp, const uint16_t* w, int64_t k, float* out, int64_t ldo,
+                 int64_t n0, int64_t n1) {
+  for (int64_t nb = n0; nb < n1; nb += kNB) {
+    const int64_t ncols = std::min(kNB, n1 - nb);
+    auto sweep = [&](auto mr, auto nr, int64_t i) {
+      constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
+      int64_t j = 0;
+      for (; j + NR <= ncols; j += NR)
+        P::template tile<MR, NR>(x + i * kp, kp, w + (nb + j) * k, k, k, out + i * ldo + nb + j, ldo);
+      for (; j < ncols; ++j)
+        P::template tile<MR, 1>(x + i * kp, kp, w + (nb + j) * k, k, k, out + i * ldo + nb + j, ldo);
+    };
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) sweep(std::integral_constant<int, 4>{}, std::integral_constant<int, P::kTiles[4][1]>{}, i);
+    switch (m - i) {
+      case 3: sweep(std::integral_constant<int, 3>{}, std::integral_constant<int, P::kTiles[3][1]>{}, i); break;
+      case 2: sweep(std::integral_constant<int, 2>{}, std::integral_constant<int, P::kTiles[2][1]>{}, i); break;
+      case 1: sweep(std::integral_constant<int, 1>{}, std::integral_constant<int, P::kTiles[1][1]>{}, i); break;
+      default: break;
+    }
+  }
+}
+
+// Bias (fp32, after the sum), then the output rounding, for columns [n0, n1).
+void epilogue(float* acc, const std::vector<float>& bias_f, at::Tensor& out, int64_t m, int64_t n, int64_t n0,
+              int64_t n1, bool fp32_out) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = acc + i * n;
+    if (!bias_f.empty())
+      for (int64_t j = n0; j < n1; ++j) row[j] += bias_f[j];
+    if (!fp32_out) {
+      bf16* o = out.data_ptr<bf16>() + i * n;
+      int64_t j = n0;
+      for (; j + 8 <= n1; j += 8) store8(o + j, _mm256_loadu_ps(row + j));
+      for (; j < n1; ++j) o[j] = static_cast<bf16>(row[j]);
+    }
+  }
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   bool fp32_out) {
   check_cpu(x, "x");
@@ -189,7 +358,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K], weight [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear: weight must be bf16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: x bf16 or fp32");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kp = (k + 7) & ~int64_t(7);
+  const bool pairs = x.scalar_type() == at::kBFloat16;  // bf16 activations: the vdpbf16ps order
+  TORCH_CHECK(pairs != fp32_out, "linear: the result has x's dtype");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t kp = pairs ? (k + kK - 1) & ~(kK - 1) : (k + 7) & ~int64_t(7);
   std::vector<float> bias_f;
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
@@ -197,30 +369,35 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     at::Tensor b = bias->to(at::kFloat).contiguous();
     bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
   }
-  std::vector<float> xf = rows_fp32(x, kp);
+  const bool native = pairs && isa() == 1;
+  std::vector<float> xf = !pairs ? rows_fp32(x, kp) : native ? std::vector<float>() : Avx2Pairs::prepare(x, kp);
+  std::vector<uint16_t> xb = native ? Avx512Pairs::prepare(x, kp) : std::vector<uint16_t>();
   at::Tensor out = at::empty({m, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   std::vector<float> scratch(fp32_out ? 0 : m * n);
   float* acc = fp32_out ? out.data_ptr<float>() : scratch.data();
   const uint16_t* wp = u16(w);
   // Grain: enough columns that a task is worth a thread, whatever m is.
-  const int64_t grain = std::max<int64_t>(12, (int64_t(1) << 16) / std::max<int64_t>(1, m * k / 8));
-  at::parallel_for(0, (n + 11) / 12, std::max<int64_t>(1, grain / 12), [&](int64_t b, int64_t e) {
-    const int64_t n0 = b * 12, n1 = std::min(e * 12, n);
-    linear_block(xf.data(), m, kp, wp, k, acc, n, n0, n1);
-    for (int64_t i = 0; i < m; ++i) {  // bias (fp32, after the sum), then the output rounding
-      float* row = acc + i * n;
-      if (!bias_f.empty())
-        for (int64_t j = n0; j < n1; ++j) row[j] += bias_f[j];
-      if (!fp32_out) {
-        bf16* o = out.data_ptr<bf16>() + i * n;
-        int64_t j = n0;
-        for (; j + 8 <= n1; j += 8) store8(o + j, _mm256_loadu_ps(row + j));
-        for (; j < n1; ++j) o[j] = static_cast<bf16>(row[j]);
-      }
+  const int64_t grain = std::max<int64_t>(kNB, (int64_t(1) << 14) / std::max<int64_t>(1, m * k / 8));
+  at::parallel_for(0, (n + kNB - 1) / kNB, std::max<int64_t>(1, grain / kNB), [&](int64_t b, int64_t e) {
+    const int64_t n0 = b * kNB, n1 = std::min(e * kNB, n);
+    if (!pairs) {
+      linear_block(xf.data(), m, kp, wp, k, acc, n, n0, n1);
+      epilogue(acc, bias_f, out, m, n, n0, n1, fp32_out);
+      return;
     }
+    FlushDenormals ftz;  // the sums and the epilogue too, on both paths
+    if (native) pairs_block<Avx512Pairs>(xb.data(), m, kp, wp, k, acc, n, n0, n1);
+    else pairs_block<Avx2Pairs>(xf.data(), m, kp, wp, k, acc, n, n0, n1);
+    epilogue(acc, bias_f, out, m, n, n0, n1, fp32_out);
   });
   return out;
 }
+
+// Which path the bf16 linear takes: "avx512_bf16" or "avx2" (the same bits either way).
+std::string linear_isa() { return isa() == 1 ? "avx512_bf16" : "avx2"; }
+
+// Tests force the AVX2 emulation on a CPU with AVX512-BF16 to compare the two paths.
+void force_avx2(bool on) { g_isa = on ? 0 : (has_avx512_bf16() ? 1 : 0); }
 
 // ---- attention --------------------------------------------------------------------
 // Row r (query heads q[r], at position lengths[r] - 1 of cache slot slots[r]) attends
@@ -409,5 +586,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
+  m.def("linear_isa", &linear_isa, "the bf16 linear's path on this CPU: avx512_bf16 or avx2");
+  m.def("force_avx2", &force_avx2, "tests: run the AVX2 emulation of vdpbf16ps even where the instruction exists");
   m.attr("CHUNK") = kChunk;
 }
