@@ -116,6 +116,21 @@ class ChatMessage(BaseModel):
 
 # --- bodies ----------------------------------------------------------------------------
 
+# OpenAI fields accepted only at their neutral values: field -> (accepted, message otherwise).
+NEUTRAL = {
+    "n": ((None, 1), "only n=1 is supported (got {v}); send one request per completion"),
+    "best_of": ((None, 1), "only best_of=1 is supported (got {v})"),
+    "top_p": ((None, 1), "only top_p=1 is supported (got {v}): sampling is full-vocabulary Gumbel-max"),
+    "presence_penalty": ((None, 0), "penalties are not supported (got {v}); use 0 or leave it out"),
+    "frequency_penalty": ((None, 0), "penalties are not supported (got {v}); use 0 or leave it out"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "echo": ((None, False), "echo is not supported"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "logprobs": ((None, 0), "logprobs are not supported"),
+    "top_logprobs": ((None, 0), "logprobs are not supported"),
+}
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -137,32 +152,12 @@ class _Common(BaseModel):
     determinism: DeterminismOptions | None = None
     ignore_eos: bool = False
 
-    @field_validator("n")
+    @field_validator(*NEUTRAL, check_fields=False)  # some are declared by one subclass only
     @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported (got {v}); send one request per completion")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is not None and v != 1:
-            raise ValueError(f"only top_p=1 is supported (got {v}): sampling is full-vocabulary Gumbel-max")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v not in (None, 0):
-            raise ValueError(f"penalties are not supported (got {v}); use 0 or leave it out")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _neutral(cls, v, info):
+        accepted, message = NEUTRAL[info.field_name]
+        if v not in accepted:
+            raise ValueError(message.format(v=v))
         return v
 
     @field_validator("stop")
@@ -204,34 +199,6 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     logprobs: int | None = None
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported (got {v})")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix (insertion) is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v):
@@ -260,20 +227,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool | None = False
     top_logprobs: int | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
 
     @model_validator(mode="after")
     def _limits(self):
