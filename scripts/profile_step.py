@@ -1,0 +1,109 @@
+"""Where a decode step's time goes, by kind of work, for `fast` and `batch-invariant`.
+
+    .venv/bin/python scripts/profile_step.py --batch-sizes 1,8,16     # -> results/bench/step_profile.{json,md}
+
+For each policy and batch size, B requests (the built-in prompts) decode 32 tokens, then STEPS
+decode steps run under cProfile. The time of every built-in call is attributed to a kind: GEMMs
+(ours or the library's), attention, KV writes, norms and activations, sampling, and the rest
+(Python, tensor bookkeeping). cProfile adds a little to each Python call, so the `rest` share is
+an upper bound; the step time column is measured without the profiler.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from margingate.data.prompts import builtin_prompts
+from margingate.engine import Request
+from margingate.llm import LLM
+
+STEPS = 20
+KINDS = {  # substring of a profiled function's name -> kind (first match wins)
+    "margingate_invariant.linear": "gemm (ours)", "_nn.linear": "gemm (library)",
+    "margingate_invariant.attention": "attention (ours)", "scaled_dot_product_attention": "attention (library)",
+    "kv_cache.py": "kv write", "rmsnorm": "norms, silu", "silu": "norms, silu", "pow": "norms, silu",
+    "mean": "norms, silu", "rsqrt": "norms, silu", "argmax": "sampling",
+}
+
+
+def kind_of(name: str) -> str:
+    return next((k for s, k in KINDS.items() if s in name), "rest (python, bookkeeping)")
+
+
+def profile(llm: LLM, policy: str, b: int) -> dict:
+    engine = llm.engine
+    prompts = builtin_prompts()
+    seqs = [engine.add_request(Request(llm.tokenizer.encode_prompt(prompts[i % len(prompts)]), 32 + 2 * STEPS + 8,
+                                       llm.policy(policy), ignore_eos=True, request_id=f"{policy}-{b}-{i}"))
+            for i in range(b)]
+    try:
+        while min(len(s.output_ids) for s in seqs) < 32:
+            engine.step()
+        times = []
+        for _ in range(STEPS // 2):
+            t = time.perf_counter()
+            engine.step()
+            times.append(1000 * (time.perf_counter() - t))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(STEPS // 2):
+            engine.step()
+        prof.disable()
+    finally:
+        for s in seqs:
+            engine.abort(s.request_id)
+        engine.step()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    by_kind: dict[str, float] = {}
+    for (file, _, name), (_, _, tottime, _, _) in stats.items():
+        kind = kind_of(f"{file}:{name}")
+        by_kind[kind] = by_kind.get(kind, 0.0) + 1000 * tottime / (STEPS // 2)
+    return {"step_ms": statistics.median(times), "ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))}
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# One decode step, by kind of work\n\n{env['cpu']} ({', '.join(env['cpu_isa'])}), "
+             f"{env['num_threads']} threads, torch {env['torch']}, kernels v{env['kernels_version']} "
+             f"(bf16 linear: {env['kernels_linear_path']}); ms per step (cProfile, {STEPS // 2} steps at ~40 "
+             "tokens of context; `step ms` without the profiler).\n"]
+    kinds = sorted({k for r in report["runs"] for k in r["ms_by_kind"]})
+    lines.append("| policy | B | step ms | " + " | ".join(kinds) + " |")
+    lines.append("|---|---:|---:|" + "---:|" * len(kinds))
+    for r in report["runs"]:
+        cells = " | ".join(f"{r['ms_by_kind'].get(k, 0):.2f}" for k in kinds)
+        lines.append(f"| {r['policy']} | {r['batch_size']} | {r['step_ms']:.2f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,8,16")
+    p.add_argument("--policies", default="fast,batch-invariant")
+    p.add_argument("--out", default="results/bench")
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    runs, env = [], None
+    for b in sizes:
+        llm = LLM(max_batch_size=b)
+        env = llm.environment()
+        for policy in args.policies.split(","):
+            runs.append({"policy": policy, "batch_size": b, **profile(llm, policy, b)})
+            print(f"B={b} {policy}: {runs[-1]['step_ms']:.2f} ms/step", file=sys.stderr)
+    report = {"environment": env, "steps": STEPS, "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_profile.json").write_text(json.dumps(report, indent=2))
+    (out / "step_profile.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
