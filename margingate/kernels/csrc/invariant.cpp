@@ -65,6 +65,33 @@ inline float hsum(__m256 v) {  // fixed tree: (lo + hi), then pairs, then the la
   return _mm_cvtss_f32(s);
 }
 
+// hsum of 8 vectors at once, with hsum's pairings exactly (additions are commutative, and each
+// pairs the same two values): out[j] = hsum(f[j]). Used where many outputs end together.
+inline void hsum_x8(const __m256* f, float* out) {
+  __m256 p[4];
+  for (int j = 0; j < 4; ++j)  // lo128 + hi128 of f[j] and f[j + 4]
+    p[j] = _mm256_add_ps(_mm256_permute2f128_ps(f[j], f[j + 4], 0x20), _mm256_permute2f128_ps(f[j], f[j + 4], 0x31));
+  __m256 t[2];
+  for (int j = 0; j < 2; ++j)  // lanes (0 + 2), (1 + 3)
+    t[j] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // lane 0 + lane 1
+                                 _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, u);  // f[0..3] in the low half, f[4..7] in the high half
+}
+
+// out[i * ldo + j] = hsum(f[i * NR + j]) for an MR x NR tile, 8 at a time.
+template <int MR, int NR>
+inline void hsum_tile(const __m256* f, float* out, int64_t ldo) {
+  constexpr int kN = MR * NR;
+  alignas(32) float sums[kN + 8];
+  int q = 0;
+  for (; q + 8 <= kN; q += 8) hsum_x8(f + q, sums + q);
+  for (; q < kN; ++q) sums[q] = hsum(f[q]);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = sums[i * NR + j];
+}
+
 // exp on 8 lanes: Cody-Waite reduction and a degree-6 polynomial; our own code, so its
 // bits do not depend on a math library. Inputs are clamped to [-87, 88]; below -87 -> 0.
 inline __m256 exp8(__m256 x) {
@@ -227,20 +254,18 @@ struct Avx2Pairs {
   static void tile(const float* xs, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out,
                    int64_t ldo) {
     const int64_t kfull = k & ~(kK - 1);
+    alignas(32) uint16_t pad[NR][kK];  // the tail chunk, padded before the loop: no call inside it
+    if (kfull < k)
+      for (int j = 0; j < NR; ++j) padded_tail(w + j * ldw, kfull, k, pad[j]);
     alignas(32) float lo[MR][NR][8];
     for (int h = 0; h < 2; ++h) {  // lanes 0-7, then lanes 8-15: independent accumulators
       __m256 acc[MR][NR];
       for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-      alignas(32) uint16_t pad[NR][kK];
       for (int64_t c = 0; c < kp; c += kK) {
         const int64_t b = c + 16 * h;
         for (int j = 0; j < NR; ++j) {
-          const uint16_t* src = w + j * ldw + b;
-          if (c >= kfull) {
-            padded_tail(w + j * ldw, kfull, k, pad[j]);
-            src = pad[j] + 16 * h;
-          }
+          const uint16_t* src = c < kfull ? w + j * ldw + b : pad[j] + 16 * h;
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
           const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
           const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
@@ -250,11 +275,15 @@ struct Avx2Pairs {
           }
         }
       }
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) {
-          if (h == 0) _mm256_store_ps(lo[i][j], acc[i][j]);
-          else out[i * ldo + j] = hsum(_mm256_add_ps(_mm256_load_ps(lo[i][j]), acc[i][j]));
-        }
+      if (h == 0) {
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) _mm256_store_ps(lo[i][j], acc[i][j]);
+      } else {
+        __m256 f[MR * NR];
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) f[i * NR + j] = _mm256_add_ps(_mm256_load_ps(lo[i][j]), acc[i][j]);
+        hsum_tile<MR, NR>(f, out, ldo);
+      }
     }
   }
   static std::vector<float> prepare(const at::Tensor& x, int64_t kp) {
@@ -277,29 +306,29 @@ struct Avx512Pairs {
   __attribute__((target("avx512f,avx512bf16"))) static void tile(
       const uint16_t* xb, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
     const int64_t kfull = k & ~(kK - 1);
+    alignas(64) uint16_t pad[NR][kK];  // the tail chunk, padded before the loop: no call inside it
+    if (kfull < k)
+      for (int j = 0; j < NR; ++j) padded_tail(w + j * ldw, kfull, k, pad[j]);
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-    alignas(64) uint16_t pad[kK];
     for (int64_t c = 0; c < kp; c += kK) {
       __m512bh xv[MR];
       for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(xb + i * kp + c);
       for (int j = 0; j < NR; ++j) {
-        const uint16_t* src = w + j * ldw + c;
-        if (c >= kfull) {
-          padded_tail(w + j * ldw, kfull, k, pad);
-          src = pad;
-        }
+        const uint16_t* src = c < kfull ? w + j * ldw + c : pad[j];
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(src);
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
       }
     }
+    __m256 f[MR * NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) {
         const __m256 lo = _mm512_castps512_ps256(acc[i][j]);
         const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1));
-        out[i * ldo + j] = hsum(_mm256_add_ps(lo, hi));
+        f[i * NR + j] = _mm256_add_ps(lo, hi);
       }
+    hsum_tile<MR, NR>(f, out, ldo);
   }
   static std::vector<uint16_t> prepare(const at::Tensor& x, int64_t kp) {
     const int64_t m = x.size(0), k = x.size(1);
