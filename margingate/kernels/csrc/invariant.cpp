@@ -249,7 +249,7 @@ inline void padded_tail(const uint16_t* w, int64_t kfull, int64_t k, uint16_t* p
 // AVX2: x is pre-split per 16-block into [x[2l+1] for l < 8][x[2l] for l < 8] as fp32, so a
 // tile only splits W. Each 16-block feeds lanes 0-7 (first half of a chunk) or 8-15.
 struct Avx2Pairs {
-  static constexpr int kTiles[5][2] = {{0, 0}, {1, 12}, {2, 6}, {3, 4}, {4, 3}};  // rows -> {MR, NR}
+  static constexpr int kNR[5] = {0, 12, 6, 4, 3};  // columns per tile for a tile of 1..4 rows
   template <int MR, int NR>
   static void tile(const float* xs, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out,
                    int64_t ldo) {
@@ -301,7 +301,7 @@ struct Avx2Pairs {
 
 // AVX512-BF16: the instruction itself, on x rows kept as zero-padded bf16.
 struct Avx512Pairs {
-  static constexpr int kTiles[5][2] = {{0, 0}, {1, 12}, {2, 12}, {3, 6}, {4, 6}};
+  static constexpr int kNR[5] = {0, 12, 12, 6, 6};
   template <int MR, int NR>
   __attribute__((target("avx512f,avx512bf16"))) static void tile(
       const uint16_t* xb, int64_t kp, const uint16_t* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
@@ -353,12 +353,13 @@ void pairs_block(const X* x, int64_t m, int64_t kp, const uint16_t* w, int64_t k
       for (; j < ncols; ++j)
         P::template tile<MR, 1>(x + i * kp, kp, w + (nb + j) * k, k, k, out + i * ldo + nb + j, ldo);
     };
+    using std::integral_constant;
     int64_t i = 0;
-    for (; i + 4 <= m; i += 4) sweep(std::integral_constant<int, 4>{}, std::integral_constant<int, P::kTiles[4][1]>{}, i);
-    switch (m - i) {
-      case 3: sweep(std::integral_constant<int, 3>{}, std::integral_constant<int, P::kTiles[3][1]>{}, i); break;
-      case 2: sweep(std::integral_constant<int, 2>{}, std::integral_constant<int, P::kTiles[2][1]>{}, i); break;
-      case 1: sweep(std::integral_constant<int, 1>{}, std::integral_constant<int, P::kTiles[1][1]>{}, i); break;
+    for (; i + 4 <= m; i += 4) sweep(integral_constant<int, 4>{}, integral_constant<int, P::kNR[4]>{}, i);
+    switch (m - i) {  // the last 1-3 rows
+      case 3: sweep(integral_constant<int, 3>{}, integral_constant<int, P::kNR[3]>{}, i); break;
+      case 2: sweep(integral_constant<int, 2>{}, integral_constant<int, P::kNR[2]>{}, i); break;
+      case 1: sweep(integral_constant<int, 1>{}, integral_constant<int, P::kNR[1]>{}, i); break;
       default: break;
     }
   }
