@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from margingate.analysis.outputs import machine_line
 from margingate.data.prompts import builtin_prompts
 from margingate.engine import Request
 from margingate.llm import LLM
@@ -69,10 +70,8 @@ def profile(llm: LLM, policy: str, b: int) -> dict:
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# One decode step, by kind of work\n\n{env['cpu']} ({', '.join(env['cpu_isa'])}), "
-             f"{env['num_threads']} threads, torch {env['torch']}, kernels v{env['kernels_version']} "
-             f"(bf16 linear: {env['kernels_linear_path']}); ms per step (cProfile, {STEPS // 2} steps at ~40 "
-             "tokens of context; `step ms` without the profiler).\n"]
+    lines = [f"# One decode step, by kind of work\n\n{machine_line(env)}; ms per step (cProfile, {STEPS // 2} "
+             "steps at ~40 tokens of context; `step ms` without the profiler).\n"]
     kinds = sorted({k for r in report["runs"] for k in r["ms_by_kind"]})
     lines.append("| policy | B | step ms | " + " | ".join(kinds) + " |")
     lines.append("|---|---:|---:|" + "---:|" * len(kinds))

@@ -21,7 +21,7 @@ from .. import args as cli
 from ..llm import LLM
 from ..policies import PolicySpec
 from . import compare, plots
-from .outputs import percent, write_report
+from .outputs import machine_line, percent, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
 from .roofline import StepCost, format_roofline, measure, roofline
@@ -206,10 +206,8 @@ def markdown(report: dict) -> str:
     env = report.get("environment", {})
     parts = [f"# margingate bench\n\n{report['prompts']} prompts ({report.get('workload') or 'prompts'}) x "
              f"{report['max_new_tokens']} tokens (EOS ignored), median of {report['repeats']} after "
-             f"{report['warmup']} warm-up on one batch; {env.get('model')} on {env.get('device')} "
-             f"({env.get('cpu', '?')}; {', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), torch {env.get('torch')}, "
-             f"{env.get('num_threads')} threads, kernels v{env.get('kernels_version')}, "
-             f"tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
+             f"{report['warmup']} warm-up on one batch; {env.get('model')} on {env.get('device')}: "
+             f"{machine_line(env)}; tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
     if report.get("roofline"):
         parts.append(format_roofline(report["roofline"]))
     for key, summary in report["main"].items():

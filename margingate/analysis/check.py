@@ -18,7 +18,7 @@ from ..data.prompts import Prompt
 from ..engine.policy import Policy
 from ..llm import LLM
 from .compare import judge, summary
-from .outputs import percent
+from .outputs import machine_line, percent
 from .runs import Runner, batches, staggered
 
 MODES = ("hetero", "homo", "staggered")
@@ -105,8 +105,7 @@ def format_table(report: dict) -> str:
     lines.append(f"{'all':>5} {'':<10} {_rates_cells(report)}")
     env = report.get("environment", {})
     lines.append(f"token ids sha256 {report['tokens_sha256'][:16]} (references and every run); "
-                 f"{env.get('num_threads')} threads, {env.get('cpu')} ({', '.join(env.get('cpu_isa', []))}), "
-                 f"kernels v{env.get('kernels_version')} (bf16 linear: {env.get('kernels_linear_path')})")
+                 f"{machine_line(env)}")
     return "\n".join(lines)
 
 

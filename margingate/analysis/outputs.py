@@ -24,6 +24,13 @@ def percent(v: float | None, decimals: int = 1) -> str:
     return "-" if v is None else f"{100 * v:.{decimals}f}%"
 
 
+def machine_line(env: dict) -> str:
+    """What the numbers ran on, in one line: CPU and ISA, threads, torch, kernel version and path."""
+    return (f"{env.get('cpu', '?')} ({', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), "
+            f"{env.get('num_threads')} threads, torch {env.get('torch')}, kernels v{env.get('kernels_version')} "
+            f"(bf16 linear: {env.get('kernels_linear_path')})")
+
+
 def write_report(report: dict, out: Path, markdown: Callable[[dict], str],
                  plots: Callable[[dict, Path], Iterable[Path]] | None = None, indent: int = 1) -> list[Path]:
     """Write `out`/report.json and `out`/report.md (`markdown(report)`), then the plots, if any;
