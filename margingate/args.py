@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from .data.prompts import Prompt, builtin_prompts, load_prompts_file
 from .models.loader import DEFAULT_MODEL
-from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICIES, PRECISIONS, REPAIRS, PolicySpec
+from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICY_NAMES, PRECISIONS, REPAIRS, PolicySpec
 from .policies.options import parse_tau
+from .prefix_cache import DEFAULT_MAX_TOKENS as PREFIX_CACHE_TOKENS
 
 # --- argument types: each names the problem in its message -------------------------------
 
@@ -66,8 +67,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
 
 
+def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt in full (default: reuse the K/V of cached prompt prefixes, "
+                        f"up to {PREFIX_CACHE_TOKENS} positions; the tokens are bitwise the same)")
+
+
 def add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
-    p.add_argument("--policy", default=default, choices=list(POLICIES))
+    p.add_argument("--policy", default=default, choices=POLICY_NAMES,
+                   help="auto: the cheapest guaranteed policy for --device (CPU: batch-invariant, CUDA: margin)")
     p.add_argument("--tau", type=tau, default=None,
                    help="margin threshold in logits; inf verifies every step (default: the model profile's)")
     p.add_argument("--repair", default="replay", choices=REPAIRS)
@@ -91,9 +99,10 @@ def add_prompt_args(p: argparse.ArgumentParser, limit: int | None, what: str = "
 
 
 def policy_spec(args) -> PolicySpec:
+    """The policy asked for, `auto` resolved for --device."""
     return PolicySpec(args.policy, tau=args.tau, repair=args.repair, precision=args.verifier_precision,
                       strict=not args.no_strict, defer=args.defer, window=args.window, group=args.group,
-                      inject_flip_at=args.inject_flip_at)
+                      inject_flip_at=args.inject_flip_at).resolve(args.device)
 
 
 def prompts(args) -> list[Prompt]:
@@ -113,4 +122,5 @@ def llm(args, max_batch_size: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
     return LLM(args.model, device=args.device, max_batch_size=max_batch_size,
-               max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk)
+               max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
+               prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0)

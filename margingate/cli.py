@@ -9,6 +9,7 @@ import time
 from . import args as cli
 from .analysis import bench, calibrate, flips
 from .data.prompts import PromptFileError
+from .distributed.options import add_ray_args, worker_pool
 from .kernels.invariant import KernelBuildError
 from .policies import PolicySpec
 from .server import cli as serve
@@ -22,11 +23,14 @@ REGISTERED = (serve, bench, flips, calibrate)
 def cmd_generate(args) -> None:
     spec = cli.policy_spec(args)  # refuses bad options before the model loads
     prompts = cli.prompts(args)
-    llm = cli.llm(args, args.max_batch_size)
-    reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens)
-    for r in reqs:
-        r.policy = llm.policy(spec)
-    results = llm.engine.generate(reqs, progress=not args.json)
+    with worker_pool(args, args.max_batch_size) as pool:  # --ray: its workers decode, this process tokenizes
+        llm = cli.llm(args, args.max_batch_size)
+        reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens)
+        for r in reqs:
+            r.policy = llm.policy(spec)
+        if spec.chosen_by and not args.json:  # JSON lines carry it in each request's stats
+            print(f"policy: {spec.name} (chosen by {spec.chosen_by} for {args.device})", file=sys.stderr)
+        results = (pool or llm.engine).generate(reqs, progress=not args.json)
     for i, res in enumerate(results):
         c = llm.completion(i, res)
         if args.json:
@@ -43,18 +47,21 @@ def cmd_check(args) -> None:
     modes = parse_modes(args.modes)
     spec = cli.policy_spec(args)
     prompts = cli.prompts(args)
-    llm = cli.llm(args, max(args.batch_sizes))
-    # The trajectory each policy promises. A policy that promises none (fast, layercast) is judged
-    # against itself alone (its kernels differ from the reference's, so comparing it with the
-    # reference would count kernels or precision, not batching, as flips).
-    ref = PolicySpec("reference", precision=spec.precision) if spec.policy_class.deterministic else spec
-    make, reference = (lambda: llm.policy(spec)), (lambda: llm.policy(ref))
-    t0 = time.perf_counter()
-    report = Checker(llm, prompts, make, reference, args.max_new_tokens, progress=not args.json).run(
-        args.batch_sizes, modes)
-    report = {"policy": args.policy, "settings": make().settings(), "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes, "modes": modes,
-              "environment": llm.environment(), "seconds": round(time.perf_counter() - t0, 1), **report}
+    with worker_pool(args, max(args.batch_sizes)) as pool:  # --ray: each batch runs whole on one worker
+        llm = cli.llm(args, max(args.batch_sizes))
+        # The trajectory each policy promises. A policy that promises none (fast, layercast) is judged
+        # against itself alone (its kernels differ from the reference's, so comparing it with the
+        # reference would count kernels or precision, not batching, as flips).
+        ref = PolicySpec("reference", precision=spec.precision) if spec.policy_class.deterministic else spec
+        make, reference = (lambda: llm.policy(spec)), (lambda: llm.policy(ref))
+        t0 = time.perf_counter()
+        report = Checker(llm, prompts, make, reference, args.max_new_tokens, progress=not args.json,
+                         pool=pool).run(args.batch_sizes, modes)
+        environment = (pool or llm).environment()  # with --ray: a worker's, and the pool's shape
+    report = {"policy": spec.name, "chosen_by": spec.chosen_by, "settings": make().settings(),
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
+              "modes": modes,
+              "environment": environment, "seconds": round(time.perf_counter() - t0, 1), **report}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -78,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch-size", type=cli.positive_int, default=16)
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     cli.add_model_args(g)
+    cli.add_prefix_cache_arg(g)
     cli.add_policy_args(g, "fast")
+    add_ray_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("check", help="does a policy give the reference tokens whatever shares its batch?")
@@ -90,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="also write the JSON report here")
     cli.add_model_args(c)
     cli.add_policy_args(c, "margin")
+    add_ray_args(c)
     c.set_defaults(func=cmd_check)
 
     d = sub.add_parser("demo", help="the problem and the fix on 8 built-in prompts")

@@ -47,6 +47,16 @@ class KVCache:
         self.k[layer, slots, :, positions] = k.to(self.k.dtype)
         self.v[layer, slots, :, positions] = v.to(self.v.dtype)
 
+    # --- a span: positions [start, end) of one request, every layer ------------------
+    def read_span(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies: [layers, kv_heads, end - start, head_dim] each (the prefix cache keeps them)."""
+        return self.k[:, slot, :, start:end].clone(), self.v[:, slot, :, start:end].clone()
+
+    def write_span(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[2]
+        self.k[:, slot, :, start:end] = k
+        self.v[:, slot, :, start:end] = v
+
     # --- one column: one position of one request, every layer ------------------
     def read_column(self, slot: int, pos: int) -> Column:
         return self.k[:, slot, :, pos].clone(), self.v[:, slot, :, pos].clone()

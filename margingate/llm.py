@@ -32,7 +32,7 @@ class Completion:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
@@ -44,17 +44,21 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk),
-                             lambda: self.default_policy)
+        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
+                                                      prefix_cache_tokens), lambda: self.default_policy)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);
-        margin's tau defaults to this model's calibrated profile."""
+        margin's tau defaults to this model's calibrated profile; `auto` resolves for this device."""
         if isinstance(spec, str):
             spec = PolicySpec(spec, **options)
         elif options:
             spec = spec.replace(**options)
-        return spec.build(self.default_tau)
+        return spec.build(self.default_tau, self.device)
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
 
     def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
                  ignore_eos: bool = False) -> list[Request]:

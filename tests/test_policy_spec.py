@@ -59,12 +59,30 @@ def test_defaults_and_build():
 def test_facts_come_from_the_classes():
     """Which policies promise determinism, and with which options (a non-strict or column margin
     does not: a flip the gate misses is never taken back)."""
-    assert set(deterministic_policies()) == {"reference", "margin", "verify-all", "dvr", "batch-invariant"}
+    assert set(deterministic_policies()) == {"reference", "margin", "verify-all", "dvr", "batch-invariant", "auto"}
     assert not POLICIES["fast"].deterministic and not POLICIES["layercast"].deterministic
     assert PolicySpec("margin").build().deterministic and PolicySpec("verify-all").build().deterministic
     assert not PolicySpec("margin", strict=False).build().deterministic
     assert not PolicySpec("margin", repair="column").build().deterministic
     assert {n for n, cls in POLICIES.items() if cls.verifies} == {"margin", "verify-all", "dvr"}
+
+
+def test_auto_resolves_per_device():
+    """`auto` is resolved in the spec layer, once: the cheapest guaranteed policy for the device, named in
+    the report; other names are left alone, and an unresolved `auto` has no class to build by accident."""
+    cpu, cuda = PolicySpec("auto").resolve("cpu"), PolicySpec("auto", tau=0.2).resolve("cuda:0")
+    assert (cpu.name, cpu.chosen_by) == ("batch-invariant", "auto")
+    assert (cuda.name, cuda.tau, cuda.chosen_by) == ("margin", 0.2, "auto")
+    assert PolicySpec("dvr").resolve("cuda") == PolicySpec("dvr")
+    built = PolicySpec("auto").build(device="cuda")
+    assert built.name == "margin" and built.deterministic and built.chosen_by == "auto"
+    assert PolicySpec("auto").deterministic
+    with pytest.raises(ValueError, match="until resolved"):
+        PolicySpec("auto").policy_class  # noqa: B018
+    with pytest.raises(PolicyOptionError, match="needs a verifying policy"):
+        PolicySpec("auto", inject_flip_at=1).resolve("cpu")  # batch-invariant has nothing to inject into
+    args = build_parser().parse_args(["generate", "--policy", "auto", "x"])
+    assert policy_spec(args).name == "batch-invariant"
 
 
 def test_cli_accepts_every_tau_the_spec_does(capsys):

@@ -36,7 +36,8 @@ TIMEOUT = 180.0  # generous: the machine may be shared
 
 
 def make_server(llm, *, slots: int = SLOTS, max_len: int = 512, grace_s: float = 10.0, **app_kw):
-    engine = Engine(llm.model, EngineConfig(max_batch_size=slots, max_model_len=max_len,
+    # the prefix cache on, as `margingate serve` runs by default
+    engine = Engine(llm.model, EngineConfig(max_batch_size=slots, max_model_len=max_len, prefix_cache_tokens=2048,
                                             num_threads=llm.engine.num_threads), lambda: llm.policy("fast"))
     app_kw.setdefault("default_max_tokens", 16)
     app = create_app(llm, engine=engine, **app_kw)
@@ -119,11 +120,16 @@ def test_completion_with_report(client):
     assert choice.finish_reason in ("stop", "length") and choice.text
     assert r.usage.completion_tokens == len(choice.token_ids) and r.usage.prompt_tokens > 0
     report = r.model_extra["determinism"]
-    assert report["deterministic"] and report["policy"] == "margin" and report["strict"] is True
-    assert report["batch_invariant"] is True  # strict replay: the promise holds
-    assert report["tau"] == report["environment"]["default_tau"]
+    # `auto`: on CPU the invariant kernels are the cheapest guarantee (README, "auto")
+    assert report["deterministic"] and report["policy"] == "batch-invariant" and report["chosen_by"] == "auto"
+    assert report["batch_invariant"] is True and report["guaranteed"] is True
+    assert isinstance(report["steps"], int)
+    margin = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                       extra_body={"determinism": {"policy": "margin"}}).model_extra["determinism"]
+    assert margin["policy"] == "margin" and "chosen_by" not in margin and margin["strict"] is True
+    assert margin["tau"] == margin["environment"]["default_tau"]
     for key in ("triggers", "repairs", "rollbacks", "replayed_tokens", "steps"):
-        assert isinstance(report[key], int)
+        assert isinstance(margin[key], int)
     assert report["environment"]["model"] == MODEL and r.system_fingerprint
 
 
@@ -143,12 +149,19 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[-1].usage.completion_tokens == len(ids)  # include_usage: a last chunk without choices
 
 
-def test_streaming_margin_defaults_to_non_strict(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=6, stream=True,
-                                            extra_body={"deterministic": True}))
-    report = [c for c in chunks if c.choices[0].finish_reason][0].model_extra["determinism"]
-    assert report["policy"] == "margin" and report["strict"] is False
-    assert report["batch_invariant"] is False  # released at once: no promise across batches
+def test_streams_are_strict_unless_asked(client):
+    """A deterministic stream releases verified tokens only, as the non-streamed answer does; non-strict
+    is an explicit opt-in, and its report says the output is not guaranteed."""
+    def final_report(determinism: dict) -> dict:
+        chunks = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=6, stream=True,
+                                                extra_body={"deterministic": True, "determinism": determinism}))
+        return [c for c in chunks if c.choices[0].finish_reason][0].model_extra["determinism"]
+
+    strict = final_report({"policy": "margin"})
+    assert strict["strict"] is True and strict["guaranteed"] is True and "warning" not in strict
+    loose = final_report({"policy": "margin", "strict": False})
+    assert loose["strict"] is False and loose["batch_invariant"] is False and loose["guaranteed"] is False
+    assert "not guaranteed" in loose["warning"] or "may differ" in loose["warning"]
 
 
 def test_stop_string(client):
@@ -269,6 +282,7 @@ def test_malformed_bodies(http, body, status, needle):
     ({"seed": 2 ** 70}, "seed", "less than"),
     ({"determinsm": {}}, "determinsm", "unknown field"),
     ({"determinism": {"policy": "magic"}}, "determinism.policy", "unknown policy"),
+    ({"determinism": {"strict": "no"}}, "determinism.strict", "boolean"),
     ({"determinism": {"tau": -1}}, "determinism.tau", "greater than or equal to 0"),
     ({"determinism": {"repair": "glue"}}, "determinism.repair", "unknown repair"),
     ({"determinism": {"window": 0}}, "determinism.window", "greater than or equal to 1"),
@@ -341,7 +355,10 @@ def test_metrics_exposition(http):
                  "determinism_repairs_total", "determinism_rollbacks_total", "queue_length",
                  "request_latency_seconds_bucket", "time_to_first_token_seconds_count", "kv_slots_free"):
         assert f"margingate_{name}" in text, name
-    assert 'margingate_requests_finished_total{finish_reason="length",policy="margin"}' in text
+    assert 'margingate_requests_finished_total{finish_reason="length",policy="batch-invariant"}' in text
+    for name in ("prefix_cache_hits_total", "prefix_cache_misses_total", "prefix_cache_reused_tokens_total",
+                 "prefix_cache_tokens"):
+        assert f"margingate_{name}" in text, name
     assert 'margingate_http_requests_total{code="400",route="/v1/completions"}' in text
 
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
+from ..prefix_cache import PrefixCache
 from .policy import Policy, VerifyJob
 from .runner import Runner
 from .sampler import scores
@@ -24,8 +25,11 @@ class EngineConfig:
     max_model_len: int = 2048     # positions per slot (prompt + output)
     num_threads: int | None = None  # torch CPU threads; None: all cores
     prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
+    prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
 
     def __post_init__(self):
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_batch_size < 1:
@@ -72,6 +76,7 @@ class Engine:
                           torch.bfloat16, model.device)
         self.runner = Runner(model, self.kv)
         self.scheduler = Scheduler(self.kv)
+        self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.default_policy = default_policy
         self.step_count = 0
         self.totals = {phase: PhaseTotals() for phase in PHASES}
@@ -127,7 +132,9 @@ class Engine:
         if torch.get_num_threads() != self.num_threads:  # another engine in this process changed it
             torch.set_num_threads(self.num_threads)
         self._finished, self._aborted = self._aborted, []
-        self.scheduler.admit()
+        for seq in self.scheduler.admit():
+            if self.prefix is not None:  # start the prompt where its cached prefix ends
+                seq.prefilled = seq.cached_tokens = self.prefix.load(seq.request.prompt_ids, self.kv, seq.slot)
         chunk = self.config.prefill_chunk
         prefills = [(s, s.prefilled, s.prompt_len if chunk is None else min(s.prompt_len, s.prefilled + chunk))
                     for s in self.scheduler.running if s.prefilled < s.prompt_len]
@@ -144,6 +151,8 @@ class Engine:
             seq.prefilled = end
             if logits is not None:  # the prompt is complete: its last row chooses the first token
                 seq.output_ids.append(int(torch.argmax(scores(seq, logits, seq.prompt_len))))
+                if self.prefix is not None:  # the prompt path's K/V, before any decode write
+                    self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
                 started.append(seq)
         if batch:
             logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, out[len(prefills):])])
@@ -191,7 +200,7 @@ class Engine:
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
-                      seq.finish_reason or "aborted", seq.policy.report(seq))
+                      seq.finish_reason or "aborted", seq.policy.report(seq), seq.cached_tokens)
 
     def release(self, seq: Sequence, finished: bool) -> list[int]:
         """The tokens of `seq` its policy lets go since the last call (all of them once finished)."""

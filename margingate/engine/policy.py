@@ -62,6 +62,8 @@ class Policy:
     invariant_decode = False
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
+    #: what picked this policy when the caller did not name it ("auto"), for the report
+    chosen_by: str | None = None
 
     @classmethod
     def from_spec(cls, spec, default_tau: float) -> Policy:
@@ -100,4 +102,5 @@ class Policy:
         return {}
 
     def report(self, seq: Sequence) -> dict[str, Any]:
-        return {"policy": self.name, **self.settings(), "steps": seq.steps, **seq.state.stats()}
+        chosen = {"chosen_by": self.chosen_by} if self.chosen_by else {}
+        return {"policy": self.name, **chosen, **self.settings(), "steps": seq.steps, **seq.state.stats()}

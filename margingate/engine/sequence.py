@@ -48,6 +48,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     stats: dict[str, Any]
+    cached_tokens: int = 0                 # prompt positions taken from the prefix cache
 
 
 @dataclass(eq=False)  # identity: two requests are never the same sequence
@@ -58,6 +59,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     cache: SlotView | None = None          # this request's KV slot, set on admission
     prefilled: int = 0                     # prompt positions whose K/V are written
+    cached_tokens: int = 0                 # of which copied from the prefix cache
     steps: int = 0                         # decode steps taken
     released: int = 0                      # output tokens already handed to the caller
     finish_reason: str | None = None

@@ -8,12 +8,12 @@ from .dvr import DVRPolicy
 from .fast import FastPolicy
 from .layercast import LayerCastPolicy
 from .margin import MarginPolicy, VerifyAllPolicy
-from .options import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_TAU, DEFAULT_WINDOW, parse_tau
+from .options import AUTO, DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_TAU, DEFAULT_WINDOW, parse_tau
 from .reference import PRECISIONS, ReferencePolicy
-from .spec import POLICIES, PolicyOptionError, PolicySpec, deterministic_policies
+from .spec import POLICIES, POLICY_NAMES, PolicyOptionError, PolicySpec, deterministic_policies
 from .verifying import REPAIRS, VerifyingPolicy, VerifyState
 
-__all__ = ["DEFAULT_DEFER", "DEFAULT_GROUP", "DEFAULT_TAU", "DEFAULT_WINDOW", "POLICIES", "PRECISIONS", "REPAIRS",
-           "BatchInvariantPolicy", "DVRPolicy", "FastPolicy", "LayerCastPolicy", "MarginPolicy", "Policy",
-           "PolicyOptionError", "PolicySpec", "PolicyState", "ReferencePolicy", "VerifyAllPolicy", "VerifyState",
-           "VerifyingPolicy", "deterministic_policies", "parse_tau"]
+__all__ = ["AUTO", "DEFAULT_DEFER", "DEFAULT_GROUP", "DEFAULT_TAU", "DEFAULT_WINDOW", "POLICIES", "POLICY_NAMES",
+           "PRECISIONS", "REPAIRS", "BatchInvariantPolicy", "DVRPolicy", "FastPolicy", "LayerCastPolicy",
+           "MarginPolicy", "Policy", "PolicyOptionError", "PolicySpec", "PolicyState", "ReferencePolicy",
+           "VerifyAllPolicy", "VerifyState", "VerifyingPolicy", "deterministic_policies", "parse_tau"]

@@ -3,6 +3,9 @@
 The CLI, the HTTP protocol, the bench's variants and `LLM.policy` all build one, so there
 is one set of defaults and one set of error messages. Options a policy does not use are
 ignored (a `tau` given to `dvr` does nothing), but a bad value is refused whatever the policy.
+
+`auto` is a name, not a policy: `resolve(device)` turns it into the cheapest guaranteed policy for
+the device (`options.auto_policy`), and the built policy reports `chosen_by: auto`.
 """
 from __future__ import annotations
 
@@ -15,12 +18,23 @@ from .dvr import DVRPolicy
 from .fast import FastPolicy
 from .layercast import LayerCastPolicy
 from .margin import MarginPolicy, VerifyAllPolicy
-from .options import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_TAU, DEFAULT_WINDOW, int_at_least, parse_tau
+from .options import (
+    AUTO,
+    DEFAULT_DEFER,
+    DEFAULT_GROUP,
+    DEFAULT_TAU,
+    DEFAULT_WINDOW,
+    auto_policy,
+    int_at_least,
+    parse_tau,
+)
 from .reference import PRECISIONS, ReferencePolicy
 from .verifying import REPAIRS, VerifyingPolicy
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
     FastPolicy, ReferencePolicy, MarginPolicy, VerifyAllPolicy, DVRPolicy, BatchInvariantPolicy, LayerCastPolicy)}
+POLICY_NAMES = [*POLICIES, AUTO]  # what a user may name
+
 
 class PolicyOptionError(ValueError):
     """A bad policy option; `option` names the PolicySpec field."""
@@ -41,6 +55,7 @@ class PolicySpec:
     window: int = DEFAULT_WINDOW      # dvr
     group: int = DEFAULT_GROUP        # dvr
     inject_flip_at: int | None = None  # testing: emit a wrong token at this output index (verifying policies)
+    chosen_by: str | None = None      # "auto" when `resolve` picked the name
 
     def __post_init__(self):
         for option, check in (("name", self._check_name), ("tau", self._check_tau), ("repair", self._check_repair),
@@ -55,8 +70,8 @@ class PolicySpec:
                 raise PolicyOptionError(option, str(exc)) from None
 
     def _check_name(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"unknown policy {self.name!r} (choose from {', '.join(POLICIES)})")
+        if self.name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.name!r} (choose from {', '.join(POLICY_NAMES)})")
 
     def _check_tau(self):
         if self.tau is not None:
@@ -77,29 +92,37 @@ class PolicySpec:
     def _check_inject(self):
         if self.inject_flip_at is not None:
             int_at_least("inject_flip_at", self.inject_flip_at, 0)
-            if not issubclass(self.policy_class, VerifyingPolicy):
+            if self.name != AUTO and not issubclass(self.policy_class, VerifyingPolicy):
                 raise ValueError(f"inject_flip_at needs a verifying policy, not {self.name}")
+
+    def resolve(self, device: str) -> PolicySpec:
+        """This spec with `auto` replaced by the policy it means on `device` (others unchanged)."""
+        return self.replace(name=auto_policy(device), chosen_by=AUTO) if self.name == AUTO else self
 
     @property
     def policy_class(self) -> type[Policy]:
+        if self.name == AUTO:
+            raise ValueError("policy 'auto' has no class until resolved for a device (PolicySpec.resolve)")
         return POLICIES[self.name]
 
     def replace(self, **changes) -> PolicySpec:
         return dataclasses.replace(self, **changes)
 
-    def build(self, default_tau: float = DEFAULT_TAU) -> Policy:
+    def build(self, default_tau: float = DEFAULT_TAU, device: str = "cpu") -> Policy:
         """A fresh policy object (policies hold no per-request state; one may serve many requests)."""
-        policy = self.policy_class.from_spec(self, default_tau)
-        if self.inject_flip_at is not None:
-            policy.inject_flip_at = self.inject_flip_at
+        spec = self.resolve(device)
+        policy = spec.policy_class.from_spec(spec, default_tau)
+        if spec.inject_flip_at is not None:
+            policy.inject_flip_at = spec.inject_flip_at
+        policy.chosen_by = spec.chosen_by
         return policy
 
     @property
     def deterministic(self) -> bool:
-        """Do these options promise tokens independent of the batch?"""
+        """Do these options promise tokens independent of the batch? (`auto` does on every device.)"""
         return self.build().deterministic
 
 
 def deterministic_policies() -> list[str]:
     """Names whose defaults promise determinism (what a server's `"deterministic": true` may mean)."""
-    return [name for name, cls in POLICIES.items() if cls.deterministic]
+    return [*(name for name, cls in POLICIES.items() if cls.deterministic), AUTO]

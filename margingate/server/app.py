@@ -5,7 +5,7 @@ GET /health, GET /metrics. With an API key every route but /health needs
 `Authorization: Bearer <key>`.
 
 Per-request determinism: `"deterministic": true` runs the request under the
-server's default deterministic policy (margin, the model profile's tau);
+server's default deterministic policy (`auto`: the cheapest guaranteed one for the device);
 `"determinism": {...}` picks the policy and its options. Without either the
 request runs on the fast path (policy `fast`: reproducible alone, not across
 batches). The response's `determinism` object is the policy's report for this

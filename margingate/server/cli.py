@@ -34,13 +34,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=cli.non_negative_int, default=ServerConfig.max_queue,
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
     p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),
-                   help='what "deterministic": true means (default margin, the profile\'s tau)')
+                   help='what "deterministic": true means (default auto: batch-invariant on CPU, margin on CUDA)')
     p.add_argument("--default-max-tokens", type=cli.positive_int, default=ServerConfig.default_max_tokens,
                    help="when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they fail")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     cli.add_model_args(p)
+    cli.add_prefix_cache_arg(p)
     p.set_defaults(func=cmd_serve)
 
 

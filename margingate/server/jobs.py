@@ -33,11 +33,18 @@ class Job:
 
 # --- response pieces ---------------------------------------------------------------------
 
+NOT_GUARANTEED = ("strict is off: tokens were released before the verifier saw them and a flip it finds later "
+                  "is not taken back, so this output may differ from the same request alone")
+
+
 def determinism_report(state: ServerState, job: Job, result: Result) -> dict:
     req = job.request
+    guaranteed = job.policy.deterministic  # with these options (a non-strict margin is not)
     return finite({
         "deterministic": job.deterministic,
-        "batch_invariant": job.policy.deterministic,  # with these options (a non-strict margin is not)
+        "batch_invariant": guaranteed,
+        "guaranteed": job.deterministic and guaranteed,
+        **({"warning": NOT_GUARANTEED} if job.deterministic and not guaranteed else {}),
         **result.stats,
         "temperature": req.temperature,
         "seed": req.seed if req.temperature > 0 else None,
@@ -51,9 +58,12 @@ def envelope(state: ServerState, job: Job) -> dict:
             "created": int(time.time()), "model": state.model_id, "system_fingerprint": state.fingerprint}
 
 
-def usage(job: Job, completion_tokens: int) -> dict:
+def usage(job: Job, completion_tokens: int, result: Result | None = None) -> dict:
     n = len(job.request.prompt_ids)
-    return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+    out = {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+    if result is not None:  # as OpenAI reports it: prompt positions served from the prefix cache
+        out["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+    return out
 
 
 # --- the worker's events -> deltas ---------------------------------------------------------
@@ -139,5 +149,6 @@ def completion_body(state: ServerState, job: Job, text: str, ids: list[int], rea
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    body.update(choices=[choice], usage=usage(job, len(ids)), determinism=determinism_report(state, job, result))
+    body.update(choices=[choice], usage=usage(job, len(ids), result),
+                determinism=determinism_report(state, job, result))
     return body

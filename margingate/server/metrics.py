@@ -74,6 +74,9 @@ class Metrics:
             ("engine_step_errors_total", "engine steps that raised; their requests failed with 500"),
             ("engine_seconds_total", "engine time by phase (prefill, decode, verify)"),
             ("client_disconnects_total", "requests aborted because the client went away"),
+            ("prefix_cache_hits_total", "admitted requests that reused the K/V of a cached prompt prefix"),
+            ("prefix_cache_misses_total", "admitted requests that found no cached prefix (prefix cache on)"),
+            ("prefix_cache_reused_tokens_total", "prompt positions copied from the prefix cache, not computed"),
         ]:
             self._help[name] = (c, text)
         for name, text in [

@@ -49,17 +49,16 @@ def validate(state: ServerState, raw: bytes, kind: str) -> CompletionRequest | C
     return params
 
 
-def build_policy(state: ServerState, params, streaming: bool) -> tuple[Policy, bool]:
-    """The request's policy, and whether the request asked for determinism."""
+def build_policy(state: ServerState, params) -> tuple[Policy, bool]:
+    """The request's policy, and whether the request asked for determinism. Streamed or not, it is the
+    same policy: a strict one releases verified tokens only, so the stream is the non-streamed answer."""
     block, asked = params.determinism, params.deterministic
     if block is None and not asked:
         return state.llm.policy("fast"), False
     name = block.policy if block is not None and block.policy is not None else state.config.default_policy
-    options = {"strict": not streaming}  # streaming margin: release at once unless asked
-    if block is not None:
-        options.update(block.spec_options())
+    options = block.spec_options() if block is not None else {}
     try:
-        spec = PolicySpec(name, **options)
+        spec = PolicySpec(name, **options).resolve(state.llm.device)
     except PolicyOptionError as exc:
         option = "verifier_precision" if exc.option == "precision" else "policy" if exc.option == "name" else exc.option
         raise BadRequest(str(exc), param=f"determinism.{option}") from None
@@ -112,7 +111,7 @@ def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
 async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
     params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
-    policy, deterministic = build_policy(state, params, params.streaming)
+    policy, deterministic = build_policy(state, params)
     temperature = params.greedy_temperature
     check_seed(deterministic, temperature, params.seed)
     try:

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from ..policies import PolicySpec
 from .errors import json_error
 from .jobs import Job, complete, next_event
 from .metrics import CONTENT_TYPE
@@ -43,7 +44,9 @@ async def metrics(req: HTTPRequest):
 def model_card(state: ServerState) -> dict:
     return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "margingate",
             "max_model_len": state.engine.max_len, "determinism": {
-                "default_policy": state.config.default_policy, "default_tau": state.llm.default_tau,
+                "default_policy": state.config.default_policy,
+                "default_policy_resolved": PolicySpec(state.config.default_policy).resolve(state.llm.device).name,
+                "default_tau": state.llm.default_tau,
                 "tau_source": state.environment.get("tau_source")}}
 
 

@@ -29,6 +29,8 @@ class ServerState:
         m.gauge("in_flight_requests", "requests accepted and not finished", lambda: w.in_flight)
         m.gauge("kv_slots_free", "free KV slots", lambda: engine.load.free_slots)
         m.gauge("max_queue", "queued requests allowed beyond the running ones", lambda: config.max_queue)
+        m.gauge("prefix_cache_tokens", "prompt positions held by the prefix cache (0: off)",
+                lambda: engine.prefix.cached_tokens if engine.prefix is not None else 0)
         m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
 
     # --- tokenizer (serialized) -----------------------------------------------------

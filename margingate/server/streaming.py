@@ -53,10 +53,10 @@ async def stream(state: ServerState, job: Job, handle: Handle) -> AsyncIterator[
                 final = chunk(job, base, None if job.kind == "chat" else "", [], reason)
                 final["determinism"] = determinism_report(state, job, result)
                 if not include_usage:
-                    final["usage"] = usage(job, n_ids)
+                    final["usage"] = usage(job, n_ids, result)
                 yield sse(final)
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(job, n_ids)})
+                    yield sse({**base, "choices": [], "usage": usage(job, n_ids, result)})
         finished = True
         yield DONE
     except RequestFailed as exc:

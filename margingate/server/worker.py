@@ -258,6 +258,10 @@ class EngineWorker:
                 if not handle.admitted and seq.slot is not None:
                     handle.admitted = True
                     self.metrics.observe("queue_wait_seconds", now - handle.submitted)
+                    if self.engine.prefix is not None:
+                        hit = "hits" if seq.cached_tokens else "misses"
+                        self.metrics.inc(f"prefix_cache_{hit}_total")
+                        self.metrics.inc("prefix_cache_reused_tokens_total", seq.cached_tokens)
                 done = seq in finished
                 new = self.engine.release(seq, done)
                 if new:
