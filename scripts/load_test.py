@@ -1,31 +1,42 @@
-"""Bounded load test of `margingate serve` on loopback: throughput and latency with 0 %, 10 % and
-100 % deterministic traffic.
+"""Bounded load and fault test of `margingate serve` on loopback, at the server's default threads (all cores).
 
     PYTHONPATH=. .venv/bin/python scripts/load_test.py            # -> results/load_test.{json,md}
 
-Starts the server as a subprocess on 127.0.0.1 (or uses --url, which must be a loopback address),
-then for each deterministic fraction sends a fixed number of requests (default 48) from a fixed
-number of concurrent clients (default 8), each asking for exactly --max-tokens tokens (ignore_eos),
-under a wall-clock cap per scenario. Request i of every scenario uses the same prompt, and is
-deterministic when i falls in the fraction (evenly spread), so the script also checks that a
-deterministic request gets the same tokens in every scenario it appears in, whatever the mix.
+Starts `margingate serve` as a subprocess on 127.0.0.1 (prefix cache on, `"deterministic": true` = auto) and
+runs, in order:
+
+1. traffic mixes (0 %, 10 %, 100 % deterministic): a fixed number of streamed requests from a fixed number
+   of concurrent clients, each asking for exactly --max-tokens tokens (ignore_eos): throughput, p50/p99
+   latency and time to first token (TTFT);
+2. 8 concurrent streaming clients with mixed policies on the held-in (built-in) prompts;
+3. 8 concurrent streaming clients, each a 3-turn conversation under one system prompt, mixed policies
+   (later turns hit the prefix cache);
+4. TTFT on a long shared system prompt: cold (never seen) against a hit (same system prompt, another
+   question), and the cold request sent again (a hit) must give the same tokens;
+5. clients that disconnect mid-stream: the time until every KV slot is free again;
+6. a burst beyond the queue: the excess gets 429, every accepted request completes in full;
+7. SIGTERM under load: the streams in flight finish ([DONE], all tokens), the server exits 0.
+
+Every deterministic response whose policy guarantees it (the report's `guaranteed`) is compared, token for
+token, with the same request sent alone afterwards (non-streamed, nothing else running). Any 5xx, lost
+response or mismatch makes the script exit 1.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import math
 import os
 import platform
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
@@ -33,6 +44,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from margingate.data.prompts import builtin_prompts  # noqa: E402
+
+# policies of the mixed-policy clients: (label, body fields); `fast` and non-strict margin promise nothing
+MIXED = [("auto", {"deterministic": True}), ("margin", {"determinism": {"policy": "margin"}}),
+         ("dvr", {"determinism": {"policy": "dvr"}}), ("fast", {}),
+         ("batch-invariant", {"determinism": {"policy": "batch-invariant"}}),
+         ("reference", {"determinism": {"policy": "reference"}}),
+         ("margin non-strict", {"determinism": {"policy": "margin", "strict": False}}),
+         ("verify-all", {"determinism": {"policy": "verify-all"}})]
+SYSTEM = ("You are a concise assistant for a team of engineers. Answer in plain sentences, state assumptions, "
+          "and keep every answer under five sentences.")
+TURNS = ["What does a load balancer do?", "Give one way it can fail.", "How would you detect that failure?"]
 
 
 def is_deterministic(i: int, fraction: float) -> bool:
@@ -46,17 +68,15 @@ def percentile(values: list[float], q: float) -> float | None:
     s = sorted(values)
     k = (len(s) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 3)
 
 
 def scrape(text: str) -> dict[str, float]:
     """Sum of every series of each metric (labels dropped)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or "_bucket" in m.group(1):
+        if line.startswith("#") or not m or "_bucket" in m.group(1):
             continue
         try:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
@@ -74,12 +94,10 @@ def free_port() -> int:
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "margingate", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-queue", str(max(64, args.requests)),
-           "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+           "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
+           "--max-model-len", str(args.max_model_len), "--log-level", "warning", "--shutdown-timeout", "120"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    if args.device:
-        cmd += ["--device", args.device]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MARGINGATE_API_KEY", None)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -98,76 +116,261 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not come up within 300 s")
 
 
-def request_body(prompt, args, deterministic: bool) -> tuple[str, dict]:
-    body = {"model": args.model, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
-    if deterministic:
-        body["deterministic"] = True
+def body_for(prompt, max_tokens: int, fields: dict) -> tuple[str, dict]:
+    body = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, **fields}
     if prompt.kind == "chat":
         return "/v1/chat/completions", {**body, "messages": list(prompt.messages)}
     return "/v1/completions", {**body, "prompt": prompt.text}
 
 
-async def scenario(url: str, prompts, fraction: float, args) -> dict:
-    sem = asyncio.Semaphore(args.concurrency)
-    latencies, outputs, errors, statuses = [], {}, 0, {}
-    deadline = time.monotonic() + args.time_cap
-    async with httpx.AsyncClient(base_url=url, timeout=args.time_cap,
-                                 limits=httpx.Limits(max_connections=args.concurrency)) as client:
-        before = scrape((await client.get("/metrics")).text)
+def chat_body(messages: list[dict], max_tokens: int, fields: dict) -> tuple[str, dict]:
+    return "/v1/chat/completions", {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                                    "messages": messages, **fields}
 
-        async def one(i: int):
-            nonlocal errors
-            async with sem:
-                if time.monotonic() > deadline:
-                    statuses["skipped (time cap)"] = statuses.get("skipped (time cap)", 0) + 1
-                    return
-                det = is_deterministic(i, fraction)
-                path, body = request_body(prompts[i % len(prompts)], args, det)
-                t0 = time.perf_counter()
-                try:
-                    r = await client.post(path, json=body, timeout=max(1.0, deadline - time.monotonic()))
-                except httpx.HTTPError as exc:
-                    errors += 1
-                    statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
-                    return
-                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
-                if r.status_code != 200:
-                    errors += 1
-                    return
-                latencies.append(time.perf_counter() - t0)
-                data = r.json()
-                outputs[i] = {"deterministic": det, "tokens": data["choices"][0]["token_ids"],
-                              "report": data["determinism"]}
 
+class Runner:
+    """The HTTP side: streamed requests with their timings, requests alone, /metrics."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url, self.timeout = url, timeout
+        self.alone_cache: dict[str, list[int]] = {}
+        self.compared = self.mismatches = 0
+        self.mismatch_examples: list[str] = []
+
+    def client(self, n: int = 16) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=self.timeout,
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
+        return scrape((await client.get("/metrics")).text)
+
+    async def stream(self, client: httpx.AsyncClient, path: str, body: dict, stop_after: int | None = None) -> dict:
+        """One streamed request: status, token ids, text, TTFT, latency, the determinism report, usage."""
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(args.requests)))
-        wall = time.perf_counter() - t0
-        after = scrape((await client.get("/metrics")).text)
+        out = {"status": None, "ids": [], "text": "", "ttft": None, "latency": None, "report": None,
+               "usage": None, "done": False, "error": None}
+        try:
+            async with client.stream("POST", path, json={**body, "stream": True}) as r:
+                out["status"] = r.status_code
+                if r.status_code != 200:
+                    await r.aread()
+                    return out
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        out["done"] = True
+                        break
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        out["error"] = ev["error"].get("message")
+                        continue
+                    for c in ev.get("choices", []):
+                        if c.get("token_ids") and out["ttft"] is None:
+                            out["ttft"] = time.perf_counter() - t0
+                        out["ids"] += c.get("token_ids") or []
+                        out["text"] += (c.get("delta") or {}).get("content") or c.get("text") or ""
+                    out["report"] = ev.get("determinism", out["report"])
+                    out["usage"] = ev.get("usage") or out["usage"]
+                    if stop_after is not None and len(out["ids"]) >= stop_after:
+                        return out  # leaving the block closes the connection: a disconnect
+        except httpx.HTTPError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["latency"] = time.perf_counter() - t0
+        return out
 
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    tokens = sum(len(o["tokens"]) for o in outputs.values())
+    async def alone(self, client: httpx.AsyncClient, path: str, body: dict) -> list[int]:
+        """The same request sent alone (non-streamed), once per distinct body."""
+        key = json.dumps([path, body], sort_keys=True)
+        if key not in self.alone_cache:
+            r = await client.post(path, json=body)
+            r.raise_for_status()
+            self.alone_cache[key] = r.json()["choices"][0]["token_ids"]
+        return self.alone_cache[key]
+
+    async def check_alone(self, client: httpx.AsyncClient, runs: list[tuple[str, dict, dict]], what: str) -> dict:
+        """Compare each guaranteed response with the request alone; returns counts for the report."""
+        compared = identical = 0
+        for path, body, res in runs:
+            report = res["report"] or {}
+            if res["status"] != 200 or not report.get("guaranteed"):
+                continue
+            compared += 1
+            want = await self.alone(client, path, body)
+            if res["ids"] == want:
+                identical += 1
+            elif len(self.mismatch_examples) < 5:
+                asked = body.get("messages") or body.get("prompt")
+                self.mismatch_examples.append(f"{what}: {report.get('policy')} {str(asked):.80}")
+        self.compared += compared
+        self.mismatches += compared - identical
+        return {"compared_with_alone": compared, "identical": identical}
+
+
+def summarize(results: list[dict], wall: float, delta: dict[str, float]) -> dict:
+    ok = [r for r in results if r["status"] == 200 and r["done"]]
+    tokens = sum(len(r["ids"]) for r in ok)
     batch_n = delta.get("margingate_batch_size_count", 0.0)
     return {
-        "deterministic_fraction": fraction,
-        "requests": args.requests,
-        "completed": len(outputs),
-        "deterministic_requests": sum(o["deterministic"] for o in outputs.values()),
-        "errors": errors,
-        "statuses": statuses,
-        "wall_s": round(wall, 3),
-        "throughput_req_s": round(len(outputs) / wall, 3),
-        "throughput_tok_s": round(tokens / wall, 2),
-        "latency_p50_s": round(percentile(latencies, 0.50), 3) if latencies else None,
-        "latency_p99_s": round(percentile(latencies, 0.99), 3) if latencies else None,
-        "latency_max_s": round(max(latencies), 3) if latencies else None,
+        "requests": len(results), "completed": len(ok),
+        "status_5xx": sum(1 for r in results if (r["status"] or 0) >= 500 or (r["error"] or "").startswith("5")),
+        "errors": sum(1 for r in results if r["status"] != 200 or not r["done"] or r["error"]),
+        "wall_s": round(wall, 2), "throughput_req_s": round(len(ok) / wall, 2),
+        "throughput_tok_s": round(tokens / wall, 1),
+        "latency_p50_s": percentile([r["latency"] for r in ok], 0.5),
+        "latency_p99_s": percentile([r["latency"] for r in ok], 0.99),
+        "ttft_p50_s": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 0.5),
+        "ttft_p99_s": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 0.99),
         "mean_batch_size": round(delta.get("margingate_batch_size_sum", 0.0) / batch_n, 2) if batch_n else None,
-        "engine_steps": int(delta.get("margingate_engine_steps_total", 0)),
-        "triggers": int(delta.get("margingate_determinism_triggers_total", 0)),
-        "repairs": int(delta.get("margingate_determinism_repairs_total", 0)),
-        "rollbacks": int(delta.get("margingate_determinism_rollbacks_total", 0)),
-        "replayed_tokens": int(delta.get("margingate_determinism_replayed_tokens_total", 0)),
-        "_outputs": outputs,
+        "prefix_cache_hits": int(delta.get("margingate_prefix_cache_hits_total", 0)),
+        "prefix_cache_reused_tokens": int(delta.get("margingate_prefix_cache_reused_tokens_total", 0)),
     }
+
+
+async def traffic_mix(run: Runner, prompts, fraction: float, args) -> dict:
+    """Streamed requests from `concurrency` clients; request i is deterministic when i falls in the fraction."""
+    sem = asyncio.Semaphore(args.concurrency)
+    async with run.client(args.concurrency + 2) as client:
+        before = await run.metrics(client)
+        bodies = [body_for(prompts[i % len(prompts)], args.max_tokens,
+                           {"deterministic": True} if is_deterministic(i, fraction) else {})
+                  for i in range(args.requests)]
+
+        async def one(path, body):
+            async with sem:
+                return await run.stream(client, path, body)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p, b) for p, b in bodies))
+        wall = time.perf_counter() - t0
+        after = await run.metrics(client)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        check = await run.check_alone(client, [(p, b, r) for (p, b), r in zip(bodies, results)],
+                                      f"{fraction:.0%} mix")
+    return {"deterministic_fraction": fraction,
+            "deterministic_requests": sum(1 for _, b in bodies if b.get("deterministic")),
+            **summarize(results, wall, delta), **check}
+
+
+async def mixed_policies(run: Runner, prompts, args) -> dict:
+    """8 concurrent streams, one per policy in MIXED, on held-in prompts; two waves with other prompts."""
+    async with run.client() as client:
+        bodies = [body_for(prompts[(7 * w + 3 * k) % len(prompts)], args.max_tokens, MIXED[k][1])
+                  for w in range(2) for k in range(len(MIXED))]
+        t0 = time.perf_counter()
+        results = []
+        for w in range(2):
+            results += await asyncio.gather(*(run.stream(client, p, b) for p, b in bodies[w * 8:(w + 1) * 8]))
+        wall = time.perf_counter() - t0
+        check = await run.check_alone(client, [(p, b, r) for (p, b), r in zip(bodies, results)], "mixed policies")
+    return {"clients": len(MIXED), "waves": 2, "policies": [m[0] for m in MIXED], **summarize(results, wall, {}),
+            **check}
+
+
+async def conversations(run: Runner, args) -> dict:
+    """8 concurrent clients, each a 3-turn chat under one system prompt (its own policy); each turn's prompt
+    is the previous turns with their answers, so its prefix is in the cache."""
+    async with run.client() as client:
+        before = await run.metrics(client)
+
+        async def talk(k: int):
+            label, fields = MIXED[k]
+            messages, runs = [{"role": "system", "content": SYSTEM}], []
+            for turn in TURNS:
+                messages = [*messages, {"role": "user", "content": f"({label}) {turn}"}]
+                path, body = chat_body(messages, args.max_tokens, fields)
+                res = await run.stream(client, path, body)
+                runs.append((path, body, res))
+                messages = [*messages, {"role": "assistant", "content": res["text"]}]
+            return runs
+
+        t0 = time.perf_counter()
+        runs = [r for conv in await asyncio.gather(*(talk(k) for k in range(len(MIXED)))) for r in conv]
+        wall = time.perf_counter() - t0
+        after = await run.metrics(client)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        cached = [((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0) for _, _, r in runs]
+        check = await run.check_alone(client, runs, "conversation")
+    return {"clients": len(MIXED), "turns": len(TURNS), **summarize([r for _, _, r in runs], wall, delta),
+            "turns_with_cached_prefix": sum(1 for c in cached if c), "cached_tokens_per_turn_mean":
+            round(sum(cached) / len(cached), 1), **check}
+
+
+async def shared_system_prompt(run: Runner, args) -> dict:
+    """TTFT with a long system prompt: cold (a system prompt never sent) vs hit (the same system prompt, a
+    new question); and the cold request again: a hit that must give the cold run's tokens."""
+    filler = " ".join(f"Rule {i}: keep answers factual, cite the rule number, avoid speculation." for i in range(60))
+    cold_t, hit_t, same = [], [], 0
+    async with run.client() as client:
+        for rep in range(args.ttft_reps):
+            system = f"Session {rep}-{time.time_ns()}. {filler}"
+
+            def req(question):
+                return chat_body([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                 8, {"deterministic": True})
+            cold = await run.stream(client, *req("What is rule 7 about?"))
+            hit = await run.stream(client, *req("Summarize rule 12."))
+            again = await run.stream(client, *req("What is rule 7 about?"))
+            cold_t.append(cold["ttft"])
+            hit_t.append(hit["ttft"])
+            same += again["ids"] == cold["ids"] and bool(cold["ids"])
+            cached = (hit["usage"] or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            prompt_tokens = (hit["usage"] or {}).get("prompt_tokens")
+    cold_med, hit_med = percentile(cold_t, 0.5), percentile(hit_t, 0.5)
+    return {"system_prompt_tokens_about": prompt_tokens, "cached_tokens_on_hit": cached, "reps": args.ttft_reps,
+            "ttft_cold_p50_s": cold_med, "ttft_hit_p50_s": hit_med,
+            "ttft_factor": round(cold_med / hit_med, 2) if cold_med and hit_med else None,
+            "hit_equals_cold_tokens": f"{same}/{args.ttft_reps}"}
+
+
+async def disconnects(run: Runner, prompts, args) -> dict:
+    """Streams that go away after their first tokens: how long until every KV slot is free again."""
+    async with run.client() as client:
+        before = await run.metrics(client)
+        n = args.max_batch_size
+        bodies = [body_for(prompts[i], 400, {"deterministic": True} if i % 2 else {}) for i in range(n)]
+        await asyncio.gather(*(run.stream(client, p, b, stop_after=1) for p, b in bodies))
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 30:
+            m = await run.metrics(client)
+            if m.get("margingate_kv_slots_free") == args.max_batch_size and not m.get("margingate_in_flight_requests"):
+                break
+            await asyncio.sleep(0.02)
+        freed = time.perf_counter() - t0
+        delta = {k: m.get(k, 0.0) - before.get(k, 0.0) for k in m}
+    return {"streams": n, "disconnects_counted": int(delta.get("margingate_client_disconnects_total", 0)),
+            "all_slots_free_after_s": round(freed, 3), "slots_free": int(m.get("margingate_kv_slots_free", -1))}
+
+
+async def burst(run: Runner, prompts, args) -> dict:
+    """capacity + extra requests at once: the extra get 429; every accepted one completes in full."""
+    n = args.max_batch_size + args.max_queue + args.burst_extra
+    async with run.client(n + 2) as client:
+        bodies = [body_for(prompts[i % len(prompts)], 16, {"deterministic": True}) for i in range(n)]
+        results = await asyncio.gather(*(run.stream(client, p, b) for p, b in bodies))
+        accepted = [r for r in results if r["status"] != 429]
+        full = [r for r in accepted if r["status"] == 200 and r["done"] and len(r["ids"]) == 16]
+        check = await run.check_alone(client, [(p, b, r) for (p, b), r in zip(bodies, results) if r in full], "burst")
+    return {"sent": n, "capacity": args.max_batch_size + args.max_queue,
+            "status_429": sum(1 for r in results if r["status"] == 429), "accepted": len(accepted),
+            "accepted_complete": len(full), "lost": len(accepted) - len(full), **check}
+
+
+async def sigterm(run: Runner, proc: subprocess.Popen, prompts, args) -> dict:
+    """SIGTERM while streams are generating: they finish; new requests are refused; the server exits 0."""
+    async with run.client() as client:
+        n = args.max_batch_size
+        bodies = [body_for(prompts[i], args.max_tokens, {"deterministic": True} if i % 2 else {}) for i in range(n)]
+        released = (await run.metrics(client)).get("margingate_generation_tokens_total", 0.0)
+        tasks = [asyncio.ensure_future(run.stream(client, p, b)) for p, b in bodies]
+        while (await run.metrics(client)).get("margingate_generation_tokens_total", 0.0) == released:
+            await asyncio.sleep(0.05)  # until the streams are generating
+        await asyncio.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks)
+    code = await asyncio.to_thread(proc.wait, 180)
+    complete = sum(1 for r in results if r["status"] == 200 and r["done"] and len(r["ids"]) == args.max_tokens)
+    return {"in_flight_at_sigterm": n, "completed_in_full": complete, "exit_code": code}
 
 
 def markdown(report: dict) -> str:
@@ -175,108 +378,164 @@ def markdown(report: dict) -> str:
     lines = [
         "# Load test: `margingate serve` on loopback",
         "",
-        f"{cfg['requests']} requests per row, {cfg['concurrency']} concurrent clients, {cfg['max_tokens']} output "
-        f"tokens each (ignore_eos, greedy), max batch {cfg['max_batch_size']}, model `{env.get('model')}` on "
-        f"{env.get('device')} with {env.get('num_threads')} torch thread(s), {report['host']['cpus']} CPUs "
-        f"({report['host']['machine']}). Deterministic requests: `\"deterministic\": true` (policy margin, "
-        f"tau {env.get('default_tau')} from the {env.get('tau_source')}, strict replay). "
-        f"Latency: request sent to full response.",
+        "```bash",
+        report["command"],
+        "```",
         "",
-        "| deterministic | completed | errors | wall s | req/s | tok/s | p50 latency s | p99 latency s "
-        "| mean batch | triggers | repairs | rollbacks |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"Machine: {report['host']['cpu']}, {report['host']['cpus']} cores; the server at its default threads "
+        f"({env.get('num_threads')} torch threads = all cores), torch {env.get('torch')}, kernels "
+        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_batch_size']}, queue "
+        f"{cfg['max_queue']}, prefix cache on. `\"deterministic\": true` is `auto` = "
+        f"`{report['auto_resolves_to']}` here. Requests stream (SSE), {cfg['max_tokens']} tokens each "
+        f"(ignore_eos, greedy); latency: request sent to `[DONE]`; TTFT: to the first token released. "
+        f"Measured {report['date']} on a shared 2-core machine (other work was running): compare rows of one run.",
+        "",
+        "## Traffic mixes",
+        "",
+        f"{cfg['requests']} requests per row from {cfg['concurrency']} concurrent clients.",
+        "",
+        "| deterministic | completed | 5xx | errors | wall s | req/s | tok/s | p50 latency s | p99 latency s "
+        "| p50 TTFT s | p99 TTFT s | mean batch | equal to alone |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["scenarios"]:
-        lines.append(f"| {r['deterministic_fraction']:.0%} | {r['completed']}/{r['requests']} | {r['errors']} "
-                     f"| {r['wall_s']:.1f} | {r['throughput_req_s']:.2f} | {r['throughput_tok_s']:.1f} "
-                     f"| {r['latency_p50_s']} | {r['latency_p99_s']} | {r['mean_batch_size']} | {r['triggers']} "
-                     f"| {r['repairs']} | {r['rollbacks']} |")
-    c = report["consistency"]
-    lines += ["", f"Deterministic requests repeated across scenarios (same prompt, different traffic mix): "
-                  f"{c['identical']}/{c['compared']} identical token sequences.",
-              "", f"Measured {report['date']}; `scripts/load_test.py` with the settings above. A shared or "
-                  "busy machine changes the absolute numbers; compare rows of one run."]
+    for r in report["mixes"]:
+        lines.append(f"| {r['deterministic_fraction']:.0%} | {r['completed']}/{r['requests']} | {r['status_5xx']} "
+                     f"| {r['errors']} | {r['wall_s']} | {r['throughput_req_s']} | {r['throughput_tok_s']} "
+                     f"| {r['latency_p50_s']} | {r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
+                     f"| {r['mean_batch_size']} | {r['identical']}/{r['compared_with_alone']} |")
+    mp, cv, ts = report["mixed_policies"], report["conversations"], report["shared_system_prompt"]
+    d, b, s = report["disconnects"], report["burst"], report["sigterm"]
+    lines += [
+        "",
+        "## Determinism under concurrency",
+        "",
+        f"- **8 concurrent streaming clients, mixed policies** ({', '.join(mp['policies'])}), held-in prompts, "
+        f"{mp['waves']} waves: {mp['completed']}/{mp['requests']} complete, {mp['status_5xx']} 5xx; every "
+        f"guaranteed stream equals the request alone: **{mp['identical']}/{mp['compared_with_alone']}** "
+        "(`fast` and the explicit non-strict margin promise nothing and are not compared).",
+        f"- **8 concurrent 3-turn conversations** (one system prompt, the same mixed policies): "
+        f"{cv['completed']}/{cv['requests']} turns complete, {cv['turns_with_cached_prefix']} of them served a "
+        f"cached prefix (mean {cv['cached_tokens_per_turn_mean']} prompt tokens reused per turn, "
+        f"{cv['prefix_cache_hits']} prefix-cache hits); every guaranteed turn equals the request alone: "
+        f"**{cv['identical']}/{cv['compared_with_alone']}**.",
+        "",
+        "## Prefix cache: a long shared system prompt",
+        "",
+        f"A system prompt of about {ts['system_prompt_tokens_about']} tokens; cold = never sent before, hit = the "
+        f"same system prompt with another question ({ts['cached_tokens_on_hit']} prompt tokens from the cache). "
+        f"Median of {ts['reps']}: TTFT cold **{ts['ttft_cold_p50_s']} s**, hit **{ts['ttft_hit_p50_s']} s**: "
+        f"**{ts['ttft_factor']}x** faster. The cold request sent again (a hit) gave the cold run's tokens: "
+        f"**{ts['hit_equals_cold_tokens']}**.",
+        "",
+        "## Faults",
+        "",
+        f"- **Disconnects:** {d['streams']} streams closed after their first token: {d['disconnects_counted']} "
+        f"disconnects counted, every KV slot free again {d['all_slots_free_after_s']} s after the last close.",
+        f"- **Burst beyond the queue:** {b['sent']} requests at once against a capacity of {b['capacity']} "
+        f"(running + queued): {b['status_429']} got 429, {b['accepted']} accepted, {b['accepted_complete']} "
+        f"completed in full, **{b['lost']} lost**; equal to alone: {b['identical']}/{b['compared_with_alone']}.",
+        f"- **SIGTERM under load:** {s['in_flight_at_sigterm']} streams in flight; {s['completed_in_full']} "
+        f"finished in full; the server exited with code {s['exit_code']}.",
+        "",
+        f"**Overall: {report['totals']['compared']} responses compared with the request alone, "
+        f"{report['totals']['mismatches']} mismatches; {report['totals']['status_5xx']} 5xx; "
+        f"{report['totals']['lost']} lost.**",
+    ]
+    if report["totals"]["mismatch_examples"]:
+        lines += ["", "Mismatches: " + "; ".join(report["totals"]["mismatch_examples"])]
     return "\n".join(lines) + "\n"
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "?").strip()
+    family = fields.get("CPU family", "").strip()
+    flags = fields.get("Flags", "").split()
+    zen = {"25": "Zen 3/4", "26": "Zen 5"}.get(family, "") if "AMD" in name else ""
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}{f' ({zen})' if zen else ''}, {', '.join(isa)}"
+
+
+async def run_all(proc, url: str, args) -> dict:
+    prompts = builtin_prompts()
+    run = Runner(url, args.time_cap)
+    async with run.client() as client:
+        for i in range(args.warmup):  # first-use costs out of the measurement
+            await run.stream(client, *body_for(prompts[i], 4, {"deterministic": True} if i % 2 else {}))
+        info = (await client.get("/v1/models")).json()["data"][0]
+    report: dict = {"auto_resolves_to": info["determinism"].get("default_policy_resolved"), "mixes": []}
+
+    def log(name, r):
+        print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
+
+    for f in args.fractions:
+        report["mixes"].append(await traffic_mix(run, prompts, f, args))
+        log(f"mix {f:.0%}", report["mixes"][-1])
+    for name, step in (("mixed_policies", lambda: mixed_policies(run, prompts, args)),
+                       ("conversations", lambda: conversations(run, args)),
+                       ("shared_system_prompt", lambda: shared_system_prompt(run, args)),
+                       ("disconnects", lambda: disconnects(run, prompts, args)),
+                       ("burst", lambda: burst(run, prompts, args))):
+        report[name] = await step()
+        log(name, report[name])
+    async with run.client() as client:
+        r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "deterministic": True})
+        report["environment"] = r.json()["determinism"]["environment"]
+    report["sigterm"] = await sigterm(run, proc, prompts, args)
+    log("sigterm", report["sigterm"])
+    parts = [*report["mixes"], report["mixed_policies"], report["conversations"]]
+    report["totals"] = {"compared": run.compared, "mismatches": run.mismatches,
+                        "mismatch_examples": run.mismatch_examples,
+                        "status_5xx": sum(p["status_5xx"] for p in parts),
+                        "lost": report["burst"]["lost"] + sum(p["requests"] - p["completed"] for p in parts)
+                        + report["sigterm"]["in_flight_at_sigterm"] - report["sigterm"]["completed_in_full"]}
+    return report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="an already running server (loopback only); default: start one")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=48, help="requests per scenario (fixed count)")
+    p.add_argument("--requests", type=int, default=48, help="requests per traffic mix (fixed count)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--fractions", default="0,0.1,1", help="deterministic fractions, comma-separated")
-    p.add_argument("--time-cap", type=float, default=600.0, help="seconds per scenario, at most")
+    p.add_argument("--time-cap", type=float, default=300.0, help="seconds any one request may take")
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--burst-extra", type=int, default=8, help="requests beyond the capacity in the burst")
+    p.add_argument("--ttft-reps", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="server torch threads (default: all cores)")
-    p.add_argument("--device", default=None)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--out", default=str(REPO / "results" / "load_test"), help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
-    fractions = [float(x) for x in args.fractions.split(",")]
-    if not all(0 <= f <= 1 for f in fractions) or args.requests < 1 or args.concurrency < 1:
-        p.error("fractions must be in [0, 1]; --requests and --concurrency >= 1")
+    args.fractions = [float(x) for x in args.fractions.split(",")]
+    if not all(0 <= f <= 1 for f in args.fractions) or min(args.requests, args.concurrency, args.ttft_reps) < 1:
+        p.error("fractions must be in [0, 1]; --requests, --concurrency and --ttft-reps >= 1")
 
-    proc = None
-    if args.url:
-        host = urlparse(args.url).hostname or ""
-        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
-            p.error("--url must be a loopback address: this script only loads a local server")
-        url = args.url.rstrip("/")
-    else:
-        proc, url = start_server(args)
+    proc, url = start_server(args)
     try:
-        prompts = builtin_prompts()
-        info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
-        args.model = info["id"]
-        for i in range(args.warmup):  # first-use costs out of the measurement
-            path, body = request_body(prompts[i], args, i % 2 == 0)
-            httpx.post(f"{url}{path}", json={**body, "max_tokens": 4}, timeout=args.time_cap)
-        scenarios = []
-        for f in fractions:
-            print(f"deterministic {f:.0%}: {args.requests} requests, concurrency {args.concurrency} ...",
-                  file=sys.stderr, flush=True)
-            scenarios.append(asyncio.run(scenario(url, prompts, f, args)))
-            r = scenarios[-1]
-            print(f"  {r['completed']} done in {r['wall_s']:.1f} s, {r['throughput_tok_s']:.1f} tok/s, "
-                  f"p50 {r['latency_p50_s']} s, p99 {r['latency_p99_s']} s, errors {r['errors']}",
-                  file=sys.stderr, flush=True)
-        environment = next((o["report"]["environment"] for s in scenarios for o in s["_outputs"].values()), {})
-        # the same deterministic request (index i) in different traffic mixes must give the same tokens
-        compared = identical = 0
-        for i in range(args.requests):
-            seqs = [s["_outputs"][i]["tokens"] for s in scenarios
-                    if i in s["_outputs"] and s["_outputs"][i]["deterministic"]]
-            if len(seqs) > 1:
-                compared += 1
-                identical += all(x == seqs[0] for x in seqs)
-        for s in scenarios:
-            s.pop("_outputs")
-        report = {
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "config": {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "time_cap",
-                                                     "max_batch_size", "max_model_len", "threads", "warmup")},
-            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
-            "environment": environment,
-            "scenarios": scenarios,
-            "consistency": {"compared": compared, "identical": identical},
-        }
+        report = asyncio.run(run_all(proc, url, args))
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc.poll() is None:
+            proc.kill()
+    report = {"command": "PYTHONPATH=. .venv/bin/python scripts/load_test.py " + shlex.join(argv or sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "config": {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "time_cap",
+                                                       "max_batch_size", "max_queue", "burst_extra", "ttft_reps",
+                                                       "max_model_len", "threads")},
+              "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine(),
+                       "python": platform.python_version()}, **report}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
-    ok = report["consistency"]["identical"] == report["consistency"]["compared"]
-    return 0 if ok and not any(s["errors"] for s in scenarios) else 1
+    t = report["totals"]
+    return 0 if not (t["mismatches"] or t["status_5xx"] or t["lost"] or report["sigterm"]["exit_code"]) else 1
 
 
 if __name__ == "__main__":

@@ -232,6 +232,26 @@ def test_deterministic_alone_equals_under_concurrent_streams(server, client, pro
     assert int(hist['margingate_batch_size_bucket{le="8"}']) < int(hist['margingate_batch_size_bucket{le="+Inf"}'])
 
 
+def test_conversation_hits_the_prefix_cache(server, client):
+    """A second turn reuses the K/V of the first turn's prompt: counted on /metrics and in usage; streamed
+    or not, and again as a whole hit, it gives the same tokens."""
+    def hits() -> float:
+        return server.state.metrics.value("prefix_cache_hits_total")
+
+    kw = dict(model=MODEL, max_tokens=6, extra_body={"deterministic": True, "ignore_eos": True})
+    first = [{"role": "system", "content": "You answer in one short sentence, naming facts only. " * 4},
+             {"role": "user", "content": "Name a planet."}]
+    before = hits()
+    a = client.chat.completions.create(messages=first, **kw)
+    second = [*first, {"role": "assistant", "content": a.choices[0].message.content},
+              {"role": "user", "content": "And another one?"}]
+    b = client.chat.completions.create(messages=second, **kw)
+    assert b.usage.prompt_tokens_details.cached_tokens >= 48
+    chunks = list(client.chat.completions.create(messages=second, stream=True, **kw))
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == b.choices[0].token_ids
+    assert hits() - before >= 2
+
+
 def test_determinism_options_reach_the_policy(http):
     """`defer` is a request option; `batch_invariant` says whether these options keep the promise."""
     def report(determinism: dict, **fields) -> dict:
