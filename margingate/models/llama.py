@@ -15,8 +15,11 @@ The weights come from an explicit name map (`weights.py`).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
 from ..kv_cache import KVCache
@@ -35,6 +38,8 @@ class LlamaModel:
         source = getattr(state, "source", "the given state dict")
         self._weights = {torch.bfloat16: build(config, state, self.device, source)}
         self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
+        self.fused = True  # one compiled call for the whole stack where it applies (same bits)
+        self._stack_weights: list[torch.Tensor] | None = None
 
     def weights(self, dtype: torch.dtype) -> ModelWeights:
         """Weights in `dtype`; an fp32 copy is made on first use (LayerCast's library fp32 path)."""
@@ -55,12 +60,34 @@ class LlamaModel:
         W = self.weights(ops.weight_dtype(dtype))
         h = layers.embed(tokens, W.embed, dtype)
         cos, sin = self._rotary.lookup(positions, dtype)
-        rows = AttentionRows(plan, slots, positions)
-        for li, L in enumerate(W.layers):
-            h = self._layer(li, L, h, ops, (cos, sin), rows, positions, slots, kv, dtype)
+        if self._fusable(ops, plan, dtype, kv, h.shape[0]):
+            h = self._stack(h, W, cos, sin, kv, slots, positions)
+        else:
+            rows = AttentionRows(plan, slots, positions)
+            for li, L in enumerate(W.layers):
+                h = self._layer(li, L, h, ops, (cos, sin), rows, positions, slots, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
         return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps)
+
+    def _fusable(self, ops: layers.KernelSet, plan: AttentionPlan, dtype: torch.dtype, kv: KVCache,
+                 n: int) -> bool:
+        """The compiled stack covers the invariant kernels with bf16 activations and cache, every
+        row attending exactly: the batch-invariant policy, verifiers, and every prompt."""
+        return (self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16
+                and kv.k.dtype == torch.bfloat16 and len(plan.exact) == n and not plan.batched)
+
+    def _stack(self, h: torch.Tensor, W: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
+               slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._stack_weights is None:  # the bf16 weights, flattened once in the kernel's order
+            none = torch.empty(0, dtype=torch.bfloat16)
+            self._stack_weights = [t if t is not None else none for L in W.layers for t in (
+                L.input_layernorm, L.qkv, L.qkv_bias, L.o_proj, L.o_proj_bias, L.post_attention_layernorm,
+                L.gate_up, L.down_proj)]
+        cfg = self.config
+        return invariant_kernels.decoder_stack(
+            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, slots, positions, cfg.num_heads,
+            cfg.num_kv_heads, cfg.rms_eps, 1.0 / math.sqrt(cfg.head_dim))
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,

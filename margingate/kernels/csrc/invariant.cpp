@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -606,6 +607,126 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- the decoder stack in one call ---------------------------------------------------
+// models/llama.py's layer for a forward whose rows all attend exactly, with bf16
+// activations and a bf16 cache: the same kernels in the same order, called from here
+// instead of ~14 Python dispatches per layer. RoPE and the residual adds round each op
+// to bf16 as PyTorch's elementwise bf16 ops do (compute in fp32, round to nearest even),
+// so every bit equals the Python path's (tests/test_kernels.py compares them).
+inline float rnd(float v) { return static_cast<float>(static_cast<bf16>(v)); }
+
+// Rotates `heads` heads of one row (HF layout: x * cos + cat(-x2, x1) * sin, each op rounded).
+void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const bf16* xh = x + h * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const float xi = static_cast<float>(xh[i]);
+      const float rot = i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
+      const float a = rnd(xi * static_cast<float>(cs[i])), b = rnd(rot * static_cast<float>(sn[i]));
+      out[h * d + i] = static_cast<bf16>(a + b);
+    }
+  }
+}
+
+void add_into(at::Tensor& h, const at::Tensor& y) {  // h = bf16(h + y), element by element
+  bf16* hp = h.data_ptr<bf16>();
+  const bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, h.numel(), 1 << 15, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(yp[i]));
+  });
+}
+
+c10::optional<at::Tensor> maybe(const at::Tensor& t) {  // an empty tensor stands for "no bias"
+  return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// Where the stack's time goes, by phase, for the step profile (scripts/profile_step.py);
+// off unless asked for, and never part of any value.
+const char* const kPhaseNames[] = {"norms", "gemm", "rope, kv write", "attention", "residual, silu"};
+constexpr int kPhases = 5;
+bool g_profiling = false;
+double g_phase_ms[kPhases] = {};
+
+struct Phase {
+  int id;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~Phase() {
+    if (g_profiling) g_phase_ms[id] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// Turns the phase timers on or off; returns the milliseconds gathered since the last call.
+std::vector<std::pair<std::string, double>> stack_profile(bool on) {
+  std::vector<std::pair<std::string, double>> out;
+  for (int i = 0; i < kPhases; ++i) out.emplace_back(kPhaseNames[i], g_phase_ms[i]), g_phase_ms[i] = 0.0;
+  g_profiling = on;
+  return out;
+}
+
+constexpr int kPerLayer = 8;
+constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack  // ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down
+
+// h [N, hidden] bf16, updated in place through every layer. cos, sin [N, D] bf16 (the rows'
+// positions); caches [layers, S, Hkv, L, D] bf16; weights: kPerLayer tensors per layer.
+void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& positions, int64_t heads, int64_t kv_heads, double eps, double scale) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
+              "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
+  TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
+              "decoder_stack: 8 tensors per layer, one cache layer each");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16, "decoder_stack: cos, sin [N, D] bf16");
+  const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
+  const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
+  TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == n && cos.size(1) == d, "decoder_stack: shapes");
+  TORCH_CHECK(kvs <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < nslots && pp[r] >= 0 && pp[r] < lmax, "decoder_stack: slot or position out of range");
+  const at::Tensor lengths = ps + 1;
+  at::Tensor q = at::empty({n, heads, d}, h.options());
+  for (int64_t li = 0; li < k_cache.size(0); ++li) {
+    const at::Tensor* W = &weights[li * kPerLayer];
+    at::Tensor x, qkv, attn, y, gu, act;
+    { Phase p{0}; x = rmsnorm(h, W[0], eps); }
+    { Phase p{1}; qkv = linear(x, W[1], maybe(W[2]), false); }
+    {
+      Phase p{2};
+      const bf16* qkvp = qkv.data_ptr<bf16>();
+      bf16* kl = k_cache.data_ptr<bf16>() + li * layer_stride;
+      bf16* vl = v_cache.data_ptr<bf16>() + li * layer_stride;
+      at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {  // q rotated; k rotated and v copied into the cache
+          const bf16* row = qkvp + r * (qs + 2 * kvs);
+          const bf16 *cs = cos.data_ptr<bf16>() + r * d, *sn = sin.data_ptr<bf16>() + r * d;
+          rope_row(row, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
+          alignas(64) bf16 k_rot[kMaxKV];
+          rope_row(row + qs, cs, sn, kv_heads, d, k_rot);
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            const int64_t off = ((sp[r] * kv_heads + g) * lmax + pp[r]) * d;
+            std::memcpy(kl + off, k_rot + g * d, d * sizeof(bf16));
+            std::memcpy(vl + off, row + qs + kvs + g * d, d * sizeof(bf16));
+          }
+        }
+      });
+    }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, scale); }
+    { Phase p{1}; y = linear(attn.view({n, qs}), W[3], maybe(W[4]), false); }
+    { Phase p{4}; add_into(h, y); }
+    { Phase p{0}; x = rmsnorm(h, W[5], eps); }
+    { Phase p{1}; gu = linear(x, W[6], c10::nullopt, false); }
+    { Phase p{4}; act = silu_mul(gu); }
+    { Phase p{1}; y = linear(act, W[7], c10::nullopt, false); }
+    { Phase p{4}; add_into(h, y); }
+  }
+}
+
 bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 }  // namespace
@@ -615,6 +736,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
+  m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
   m.def("linear_isa", &linear_isa, "the bf16 linear's path on this CPU: avx512_bf16 or avx2");
   m.def("force_avx2", &force_avx2, "tests: run the AVX2 emulation of vdpbf16ps even where the instruction exists");
