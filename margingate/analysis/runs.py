@@ -63,13 +63,14 @@ class Runner:
     """
 
     def __init__(self, llm, prompt_ids: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
-                 cache_dir: Path | None = None, progress: bool = True, tag: str = ""):
+                 cache_dir: Path | None = None, progress: bool = True, tag: str = "", pool=None):
         self.llm, self.ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
         self.ignore_eos, self.progress, self.tag = ignore_eos, progress, tag
+        self.pool = pool  # a distributed.offline.WorkerPool: groups run on its workers, not on llm.engine
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.base = {"version": CACHE_VERSION, "kernels": KERNELS_VERSION, "model": llm.config.fingerprint(),
                      "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
-                     "ignore_eos": ignore_eos, "threads": llm.engine.num_threads,
+                     "ignore_eos": ignore_eos, "threads": (pool or llm.engine).num_threads,
                      "torch": torch.__version__, "device": str(llm.model.device)}
 
     def key(self, spec: dict) -> str:
@@ -113,16 +114,22 @@ class Runner:
         if arrivals is None and max(len(g) for g in groups) > engine.config.max_batch_size:
             raise ValueError(f"batch size {max(len(g) for g in groups)} exceeds the engine's "
                              f"max_batch_size {engine.config.max_batch_size}")
-        rows, seconds = [], 0.0
-        for k, g in enumerate(tqdm(groups, desc=f"{self.tag}{desc}", disable=not self.progress, leave=False)):
-            made = [make(i, r) for r, i in enumerate(g)]
-            reqs = [Request(self.ids[i], self.max_new_tokens, pol, ignore_eos=self.ignore_eos, request_id=f"r{r}",
-                            arrival_step=arrivals[k][r] if arrivals else 0)
-                    for r, (i, (pol, _)) in enumerate(zip(g, made))]
-            t = time.perf_counter()
-            results = engine.generate(reqs)
-            seconds += time.perf_counter() - t
-            for i, res, (_, trace) in zip(g, results, made):
+        made = [[make(i, r) for r, i in enumerate(g)] for g in groups]
+        reqs = [[Request(self.ids[i], self.max_new_tokens, pol, ignore_eos=self.ignore_eos, request_id=f"r{r}",
+                         arrival_step=arrivals[k][r] if arrivals else 0)
+                 for r, (i, (pol, _)) in enumerate(zip(g, m))] for k, (g, m) in enumerate(zip(groups, made))]
+        t = time.perf_counter()
+        if self.pool is not None:  # every group whole on one worker: the same batches as here
+            if any(trace is not None for m in made for _, trace in m):
+                raise ValueError("traces are recorded in the engine's process: run traced measurements locally")
+            outs = self.pool.run(reqs, f"{self.tag}{desc}", self.progress)
+        else:
+            outs = [engine.generate(r) for r in tqdm(reqs, desc=f"{self.tag}{desc}", disable=not self.progress,
+                                                     leave=False)]
+        seconds = time.perf_counter() - t
+        rows = []
+        for g, results, m in zip(groups, outs, made):
+            for i, res, (_, trace) in zip(g, results, m):
                 packed = None
                 if trace is not None:
                     trace.tokens = list(res.token_ids)

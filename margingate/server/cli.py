@@ -8,6 +8,7 @@ import signal
 import sys
 
 from .. import args as cli
+from ..distributed.options import add_ray_args
 from ..policies import deterministic_policies
 from .config import ServerConfig
 
@@ -42,6 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     cli.add_model_args(p)
     cli.add_prefix_cache_arg(p)
+    p.add_argument("--replicas", type=cli.positive_int, default=None, metavar="N",
+                   help="N engine replicas behind one HTTP ingress on Ray Serve (--threads: each replica's; "
+                        "default: the cores / N)")
+    add_ray_args(p, workers=False)
     p.set_defaults(func=cmd_serve)
 
 
@@ -56,10 +61,13 @@ def cmd_serve(args) -> None:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    llm = cli.llm(args, args.max_batch_size)
-    app = create_app(llm, ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue,
-                                       default_policy=args.default_policy, default_max_tokens=args.default_max_tokens,
-                                       shutdown_grace_s=args.shutdown_timeout))
+    config = ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue, default_policy=args.default_policy,
+                          default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout)
+    if args.replicas or args.ray:
+        from ..distributed.serve import serve_replicas
+
+        return serve_replicas(args, config)
+    app = create_app(cli.llm(args, args.max_batch_size), config)
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
