@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from margingate.cli import main
+from margingate.cli import build_parser, main
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -46,6 +46,16 @@ def test_check_fast_has_no_gate_figures(capsys):
                        "--modes", "hetero", "--max-new-tokens", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["trigger_rate"] is None and report["repair_rate"] is None
+
+
+def test_generate_auto_names_its_choice(capsys):
+    """--policy auto resolves for --device (CPU: batch-invariant); the report names what it chose."""
+    code, out, _ = run(capsys, "generate", "What is 2+2?", "--policy", "auto", "--max-new-tokens", "4", "--json",
+                       "--no-prefix-cache")
+    stats = json.loads(out.splitlines()[0])["stats"]
+    assert code == 0 and stats["policy"] == "batch-invariant" and stats["chosen_by"] == "auto"
+    assert build_parser().parse_args(["serve"]).prefix_cache is True
+    assert build_parser().parse_args(["serve", "--no-prefix-cache"]).prefix_cache is False
 
 
 @pytest.mark.parametrize("argv, message", [
