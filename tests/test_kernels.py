@@ -162,6 +162,24 @@ def test_attention_is_correct():
         assert (got[i].double() - want).abs().max() < 1e-5, f"row {i} over {n} keys"
 
 
+def test_attention_aligned_to_a_padded_batch():
+    """`fast`'s batched rows lay their key chunks so that one ends at the batch's padded length.
+    A multiple of the chunk is the exact layout (same bits); other alignments stay as correct
+    as the exact layout (fp32 oracle) but move the merge points, and with them the bits: the
+    batch variance `fast` keeps on purpose."""
+    k, v = cache(dtype=torch.float32)
+    q = randn(6, 9, 64, seed=11, dtype=torch.float32)
+    lengths, slots = torch.tensor([33, 40, 65, 70, 79, 80]), torch.tensor([0, 1, 2, 0, 1, 2])
+    exact = K.attention(q, k, v, slots, lengths, 0.125)
+    assert torch.equal(K.attention(q, k, v, slots, lengths, 0.125, torch.full((6,), 64)), exact)
+    changed = 0
+    for align in (70, 75, 80, 81):
+        got = K.attention(q, k, v, slots, lengths, 0.125, torch.full((6,), align))
+        assert (got - exact).abs().max() < 1e-5
+        changed += int(not torch.equal(got, exact))
+    assert changed > 0
+
+
 def test_attention_refuses_bad_lengths():
     k, v = cache()
     q = randn(1, 9, 64)

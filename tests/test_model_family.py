@@ -180,16 +180,20 @@ def test_attention_bias_respected(tmp_path):
     assert not load_config(_variant(mistral, tmp_path / "mistral-on", config={"attention_bias": True})).attention_bias
 
 
-def _fused_and_layered(model: LlamaModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-    """The same bf16 forward through the one-call compiled stack and through the layer-by-layer
-    Python path, each into its own cache: (logits, K, V) of both."""
+def _fused_and_layered(model: LlamaModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       decode: torch.Tensor):
+    """The same bf16 forwards through the one-call compiled stack and through the layer-by-layer
+    Python path, each into its own cache: a prefill whose rows attend exactly, then one decode
+    row per slot attending as a padded batch. (logits of both forwards, K, V) of each path."""
     results = []
     for fused in (True, False):
         model.fused = fused
         cfg = model.config
         kv = KVCache(cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
-        logits = model.forward(tokens, positions, slots, AttentionPlan.all_exact(len(tokens)), kv)
-        results.append((logits, kv.k, kv.v))
+        prompt = model.forward(tokens, positions, slots, AttentionPlan.all_exact(len(tokens)), kv)
+        ends = torch.tensor([int(positions[slots == s].max()) + 1 for s in range(3)])
+        step = model.forward(decode, ends, torch.arange(3), AttentionPlan(batched=[0, 1, 2]), kv)
+        results.append((torch.cat((prompt, step)), kv.k, kv.v))
     model.fused = True
     return results
 
@@ -198,13 +202,14 @@ def _fused_and_layered(model: LlamaModel, tokens: torch.Tensor, positions: torch
 def test_compiled_stack_equals_the_layer_by_layer_forward(kind, tmp_path):
     """The whole decoder stack in one compiled call (RoPE, K/V writes and residual adds done in
     C++) gives the Python path's bits: logits and every K/V column, with and without biases,
-    for rows of two requests in two slots at mixed positions."""
+    for prompt rows of three requests at mixed positions and a batched decode step."""
     _, folder = _hf_model(kind, tmp_path)
     model = _load(folder)
     torch.manual_seed(1)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (40,))
-    positions = torch.cat((torch.arange(30), torch.arange(10)))
-    slots = torch.tensor([2] * 30 + [0] * 10)
-    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (60,))
+    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
+    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
+    decode = torch.randint(0, SHAPE["vocab_size"], (3,))
+    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
     assert lf.abs().sum() > 0 and kf.abs().sum() > 0
     assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)

@@ -30,6 +30,7 @@ from .runs import Runner
 # variant name -> the policy "protected" requests get; the rest run UNPROTECTED.
 VARIANTS = {
     "fast": PolicySpec("fast"),
+    "fast-library": PolicySpec("fast-library"),  # the same without our kernels: what they buy
     "batch-invariant": PolicySpec("batch-invariant"),
     "batch-invariant-global": PolicySpec("batch-invariant"),  # every request of the batch, protected or not
     "layercast": PolicySpec("layercast"),

@@ -56,7 +56,7 @@ def pass_profile(llm: LLM, prompt_ids: list[list[int]], repeats: int = 5) -> dic
 def format_profile(p: dict) -> str:
     b = p["batch_size"]
     return (f"### One forward, by kind (median ms of {b} requests at ~{p['context_tokens']} tokens)\n\n"
-            f"| forward | ms |\n|---|---|\n| `fast` decode step, B={b} (library GEMMs, padded attention) | "
+            f"| forward | ms |\n|---|---|\n| `fast` decode step, B={b} (our GEMMs, padded-batch attention) | "
             f"{p[f'fast_step_B{b}']} |\n| verifier pass, 64 rows = 4 requests x 16 positions | "
             f"{p['verify_64_rows_4x16']} |\n| verifier pass, 64 rows = 1 request x 64 positions | "
             f"{p['verify_64_rows_1x64']} |\n| verifier pass, {b} rows = {b} requests x 1 position | "

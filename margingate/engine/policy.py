@@ -58,8 +58,11 @@ class Policy:
     deterministic = False
     #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
     verifies = False
-    #: decode rows through the invariant kernels, attention over exactly their own prefix
+    #: decode rows attend over exactly their own prefix (else: as one padded batch, whose
+    #: reduction order depends on the batch)
     invariant_decode = False
+    #: decode rows through PyTorch's library kernels (else: our compiled ones, faster here)
+    library_kernels = False
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
     #: what picked this policy when the caller did not name it ("auto"), for the report

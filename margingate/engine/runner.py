@@ -3,8 +3,8 @@
 A forward is a list of spans: consecutive positions of one request fed in one go
 (a prompt chunk, one decode position, a verifier window). Each span's rows attend
 exactly (the invariant kernel) unless they are a decode row whose policy takes the
-batched fast path, and the forward runs the invariant Linear/norm kernels as soon
-as one span needs them (prompt chunks and verifier windows always do).
+batched fast path, and the forward runs our compiled Linear/norm kernels unless every
+span asks for the library's (prompt chunks and verifier windows never do).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Runner:
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
         spans = [Span(s, a, b, exact=True, invariant=True, want=int(b == s.prompt_len)) for s, a, b in prefills]
         spans += [Span(s, s.last_pos, s.num_tokens, exact=s.policy.invariant_decode,
-                       invariant=s.policy.invariant_decode) for s in decodes]
+                       invariant=not s.policy.library_kernels) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)
         for dtype in dict.fromkeys(dtypes):

@@ -1,17 +1,21 @@
 """Kernels whose numerics define the tokens: every Linear, norm, activation, rotary
 embedding and attention of the model is computed here; the model only wires them.
 
-- `library`: what PyTorch gives (oneDNN/MKL GEMMs, SDPA over a padded batch). Fast where
-  the library is, and batch-variant: the `fast` path and the inverse control.
+- `library`: what PyTorch gives (oneDNN/MKL GEMMs, SDPA over a padded batch), batch-variant
+  by nature: `fast-library` (the engine a user gets without our kernels) and LayerCast.
 - `invariant`: our compiled kernels (`csrc/invariant.cpp`), whose reduction orders are
-  fixed by the row alone, at any batch, slot, thread count or call.
+  fixed by the row alone, at any batch, slot, thread count or call; faster here than the
+  library's, so `fast` runs them too and gets its batch variance from its attention, which
+  aligns key chunks to the padded batch.
 - `layers`: picks one of the two sets for a forward, and fixes the op order of the MLP and
   the head; `rotary`: the RoPE tables and rotation; `attention`: a forward's rows split
-  between the invariant attention and the library's padded batched call.
+  into exact rows and batched (padded) decode rows.
 
 Bump VERSION whenever a change alters any kernel's output bits: cached measurement runs
 are keyed by it.
 """
 # 3: compiled invariant kernels, rotary tables by position, fused qkv / gate-up
 # 4: the bf16 linear reduces in vdpbf16ps's order (the instruction where it exists, else emulated)
-VERSION = 4
+# 5: `fast` on the compiled kernels, its batched attention chunks aligned to the padded batch
+#    (exact rows, and so every deterministic policy's tokens, unchanged from 4)
+VERSION = 5

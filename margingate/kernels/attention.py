@@ -1,5 +1,6 @@
-"""Attention over the KV cache for the rows of one forward, as its plan divides them:
-exact rows through the invariant kernel, batched decode rows through one padded library call."""
+"""Attention over the KV cache for the rows of one forward, as its plan divides them: exact
+rows over exactly their own prefix; batched decode rows as a padded batched kernel computes
+them (our kernel with chunks aligned to the batch, or the library's padded SDPA call)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,8 @@ class AttentionPlan:
 
     `exact`: each row attends over keys [0, its position] of its own slot (prompt rows,
     chunks, decode rows and verifier rows alike: one kernel, so they agree bitwise).
-    `batched`: decode rows (one per request) sharing one padded SDPA call.
+    `batched`: decode rows (one per request) attending as one padded batch: their bits depend
+    on the batch (`fast`, LayerCast), as in the engines they stand for.
     """
     exact: list[int] = field(default_factory=list)
     batched: list[int] = field(default_factory=list)
@@ -27,45 +29,51 @@ class AttentionPlan:
 
 
 class AttentionRows:
-    """The plan as index tensors, built once per forward rather than once per layer."""
+    """The plan as index tensors, built once per forward rather than once per layer.
+
+    With our kernel every row goes in one call: exact rows lay their key chunks from position
+    0, batched rows align theirs to the batch's longest row (`align`, as a padded batched
+    kernel walks them). The library path keeps one padded SDPA call for the batched rows."""
 
     def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor):
         dev = slots.device
+        self.slots, self.lengths = slots, positions + 1
+        self.aligns = torch.zeros_like(positions)
         self.exact = None
         if plan.exact:
             idx = torch.tensor(plan.exact, device=dev)
-            self.exact = (idx, slots[idx], positions[idx] + 1, len(plan.exact) == slots.shape[0])
+            self.exact = (idx, slots[idx], self.lengths[idx])
         self.batched = None
         if plan.batched:
             slot_list, pos_list = slots.tolist(), positions.tolist()
             rs = [slot_list[r] for r in plan.batched]
             lengths = [pos_list[r] + 1 for r in plan.batched]
             lmax = max(lengths)
+            idx = torch.tensor(plan.batched, device=dev)
+            self.aligns[idx] = lmax
             consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
             gather = None if consecutive else torch.tensor(rs, device=dev)
             mask = library.length_mask(torch.tensor(lengths, device=dev), lmax)
-            self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax, mask)
+            self.batched = (idx, rs[0], rs[0] + len(rs), gather, lmax, mask)
 
 
-def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows,
-           dtype: torch.dtype) -> torch.Tensor:
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype,
+           library_kernels: bool = False) -> torch.Tensor:
     """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D).
-    Batched rows read the cache in `dtype` (cast when the cache holds another)."""
+    `library_kernels`: batched rows through one padded SDPA call, reading the cache in `dtype`."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if rows.exact is not None and rows.exact[3]:  # every row exact: no scatter
-        _, slots, lengths, _ = rows.exact
-        return invariant.attention(q, K, V, slots, lengths, scale)
+    if not library_kernels or rows.batched is None:
+        return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns)
     out = torch.empty_like(q)
     if rows.exact is not None:
-        idx, slots, lengths, _ = rows.exact
+        idx, slots, lengths = rows.exact
         out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale)
-    if rows.batched is not None:
-        idx, lo, hi, gather, lmax, mask = rows.batched
-        if gather is None:  # consecutive slots: views, no copy
-            kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
-        else:
-            kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
-        if kb.dtype != dtype:
-            kb, vb = kb.to(dtype), vb.to(dtype)
-        out[idx] = library.batched_attention(q[idx], kb, vb, mask)
+    idx, lo, hi, gather, lmax, mask = rows.batched
+    if gather is None:  # consecutive slots: views, no copy
+        kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
+    else:
+        kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
+    if kb.dtype != dtype:
+        kb, vb = kb.to(dtype), vb.to(dtype)
+    out[idx] = library.batched_attention(q[idx], kb, vb, mask)
     return out

@@ -77,9 +77,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of cache slot slots[r]."""
-    return ops().attention(q.contiguous(), k_cache, v_cache, slots, lengths, scale)
+              lengths: torch.Tensor, scale: float, aligns: torch.Tensor | None = None) -> torch.Tensor:
+    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of cache slot slots[r], its key chunks
+    laid from position 0 (exact; aligns None or 0) or aligned to a padded length aligns[r] (`fast`)."""
+    aligns = torch.zeros_like(lengths) if aligns is None else aligns
+    return ops().attention(q.contiguous(), k_cache, v_cache, slots, lengths, aligns, scale)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,12 +94,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  heads: int, kv_heads: int, eps: float, scale: float) -> torch.Tensor:
-    """Every decoder layer in one compiled call, for bf16 rows that all attend exactly: h [N, hidden]
-    is updated in place and returned; K/V written into the caches [layers, S, Hkv, L, D].
+                  aligns: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
+    `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
+    [layers, S, Hkv, L, D].
     `weights`: per layer ln1, qkv, qkv bias, o, o bias, ln2, gate_up, down (an empty tensor: no bias)."""
     ops().decoder_stack(h, weights, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, positions,
-                        heads, kv_heads, eps, scale)
+                        aligns, heads, kv_heads, eps, scale)
     return h
 
 

@@ -1,11 +1,12 @@
 """Llama-family forward (Llama, Mistral, Qwen2) over rows of (slot, position, token).
 
 The model knows nothing of requests: a forward gets N rows and an attention plan
-saying which rows attend exactly (over their own cached prefix, the invariant
-kernel) and which share one padded batched call (the library kernel), writes
-every row's K/V into the cache, and returns the rows' logits. `invariant=True`
-runs every Linear, norm and activation through the invariant kernels too; then
-each row's K/V and logits are a function of its tokens alone.
+saying which rows attend exactly (over their own cached prefix) and which attend as
+one padded batch (batch-variant on purpose), writes every row's K/V into the cache,
+and returns the rows' logits. `invariant=True` runs every Linear, norm and activation
+through our compiled kernels (else the library's); then an exact row's K/V and logits
+are a function of its tokens alone. With bf16 activations the whole stack is one
+compiled call (`decoder_stack`), bitwise the layer-by-layer path kept here.
 
 This file only wires layers together: every numeric (Linear, RMSNorm, SiLU, RoPE,
 attention, the head) lives in `margingate.kernels`, whose VERSION keys measurement
@@ -60,25 +61,23 @@ class LlamaModel:
         W = self.weights(ops.weight_dtype(dtype))
         h = layers.embed(tokens, W.embed, dtype)
         cos, sin = self._rotary.lookup(positions, dtype)
-        if self._fusable(ops, plan, dtype, kv, h.shape[0]):
-            h = self._stack(h, W, cos, sin, kv, slots, positions)
+        rows = AttentionRows(plan, slots, positions)
+        if self._fusable(ops, dtype, kv):
+            h = self._stack(h, W, cos, sin, kv, rows)
         else:
-            rows = AttentionRows(plan, slots, positions)
             for li, L in enumerate(W.layers):
                 h = self._layer(li, L, h, ops, (cos, sin), rows, positions, slots, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
         return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps)
 
-    def _fusable(self, ops: layers.KernelSet, plan: AttentionPlan, dtype: torch.dtype, kv: KVCache,
-                 n: int) -> bool:
-        """The compiled stack covers the invariant kernels with bf16 activations and cache, every
-        row attending exactly: the batch-invariant policy, verifiers, and every prompt."""
-        return (self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16
-                and kv.k.dtype == torch.bfloat16 and len(plan.exact) == n and not plan.batched)
+    def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
+        """The compiled stack covers our kernels with bf16 activations and cache: every forward
+        but the library's and LayerCast's fp32 ones."""
+        return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
-               slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+               rows: AttentionRows) -> torch.Tensor:
         if self._stack_weights is None:  # the bf16 weights, flattened once in the kernel's order
             none = torch.empty(0, dtype=torch.bfloat16)
             self._stack_weights = [t if t is not None else none for L in W.layers for t in (
@@ -86,8 +85,8 @@ class LlamaModel:
                 L.gate_up, L.down_proj)]
         cfg = self.config
         return invariant_kernels.decoder_stack(
-            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, slots, positions, cfg.num_heads,
-            cfg.num_kv_heads, cfg.rms_eps, 1.0 / math.sqrt(cfg.head_dim))
+            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, rows.lengths - 1, rows.aligns,
+            cfg.num_heads, cfg.num_kv_heads, cfg.rms_eps, 1.0 / math.sqrt(cfg.head_dim))
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,
@@ -100,7 +99,7 @@ class LlamaModel:
         q = rotary.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), *rope)
         k = rotary.rotate(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype)
+        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, library_kernels=ops is layers.LIBRARY)
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
         return h + ops.mlp(x, L.gate_up, L.down_proj)

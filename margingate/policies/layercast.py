@@ -13,3 +13,4 @@ from ..engine.policy import Policy
 class LayerCastPolicy(Policy):
     name = "layercast"
     compute_dtype = torch.float32
+    library_kernels = True  # Yuan et al.'s fp32 GEMMs, as PyTorch computes them

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..engine.policy import Policy
 from .batch_invariant import BatchInvariantPolicy
 from .dvr import DVRPolicy
-from .fast import FastPolicy
+from .fast import FastLibraryPolicy, FastPolicy
 from .layercast import LayerCastPolicy
 from .margin import MarginPolicy, VerifyAllPolicy
 from .options import (
@@ -32,7 +32,8 @@ from .reference import PRECISIONS, ReferencePolicy
 from .verifying import REPAIRS, VerifyingPolicy
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
-    FastPolicy, ReferencePolicy, MarginPolicy, VerifyAllPolicy, DVRPolicy, BatchInvariantPolicy, LayerCastPolicy)}
+    FastPolicy, FastLibraryPolicy, ReferencePolicy, MarginPolicy, VerifyAllPolicy, DVRPolicy, BatchInvariantPolicy,
+    LayerCastPolicy)}
 POLICY_NAMES = [*POLICIES, AUTO]  # what a user may name
 
 

@@ -14,7 +14,8 @@
 // - other dot products (fp32 linear, q.k): 8 fp32 lanes; lane l accumulates the
 //   products of a fixed set of k (one FMA chain, k ascending); then `hsum` adds the
 //   lanes in a fixed tree.
-// - attention: keys in fixed chunks of kChunk positions counted from position 0;
+// - attention: keys in fixed chunks of kChunk positions counted from position 0
+//   (batched `fast` rows: aligned to their batch's padded length instead, on purpose);
 //   online softmax merges the chunks in ascending order.
 // - rmsnorm: sum of squares as for dot products.
 #include <torch/extension.h>
@@ -434,24 +435,43 @@ void force_avx2(bool on) { g_isa = on ? 0 : (has_avx512_bf16() ? 1 : 0); }
 // Row r (query heads q[r], at position lengths[r] - 1 of cache slot slots[r]) attends
 // over keys [0, lengths[r]) of that slot. k_cache, v_cache: [S, Hkv, L, D], bf16 (the
 // engine's) or fp32 (tests against an fp32 oracle); C is their storage type.
+//
+// The keys go in chunks of kChunk, merged by online softmax in ascending order. Where the
+// chunks start is the row's `align`: 0 lays them from position 0 (exact rows: the row's
+// bits are its own); align = A > 0 lays them so that one ends at position A, as a kernel
+// walking a batch padded to A keys (left padding) does. `fast` passes its batch's longest
+// row, so its bits depend on its neighbours, as a padded batched decode's do.
+//
+// A score is q . k with hsum's order; eight keys go through one hsum_x8 (the same pairings).
 template <typename T, typename C>
-void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t g, int64_t d,
+void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t align, int64_t g, int64_t d,
                 float scale, T* out) {
   constexpr int kMaxG = 16, kMaxD = 256;
-  float qf[kMaxG][kMaxD], acc[kMaxG][kMaxD], mx[kMaxG], den[kMaxG];
+  alignas(32) float qf[kMaxG][kMaxD], acc[kMaxG][kMaxD];
+  float mx[kMaxG], den[kMaxG];
   for (int64_t h = 0; h < g; ++h) {
     for (int64_t i = 0; i < d; ++i) { qf[h][i] = static_cast<float>(q[h * d + i]); acc[h][i] = 0.0f; }
     mx[h] = -INFINITY;
     den[h] = 0.0f;
   }
   alignas(32) float s[kMaxG][kChunk];
-  for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
-    const int64_t cn = std::min(kChunk, len - c0);
-    for (int64_t j = 0; j < cn; ++j) {
-      const C* kr = kc + (c0 + j) * d;
-      for (int64_t h = 0; h < g; ++h) {
+  const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
+  for (int64_t c0 = 0, cn = std::min(first, len); c0 < len; c0 += cn, cn = std::min(kChunk, len - c0)) {
+    for (int64_t h = 0; h < g; ++h) {
+      int64_t j = 0;
+      for (; j + 8 <= cn; j += 8) {  // eight keys' dot products, then their eight tree sums at once
+        __m256 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_load_ps(&qf[h][i]);
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(kc + (c0 + j + u) * d + i), a[u]);
+        }
+        hsum_x8(a, &s[h][j]);
+        for (int u = 0; u < 8; ++u) s[h][j + u] *= scale;
+      }
+      for (; j < cn; ++j) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[h][i]), load8(kr + i), a);
+        for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(&qf[h][i]), load8(kc + (c0 + j) * d + i), a);
         s[h][j] = hsum(a) * scale;
       }
     }
@@ -470,11 +490,16 @@ void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t g, in
       den[h] = den[h] * alpha + sum;
       mx[h] = m_new;
       const __m256 av = _mm256_set1_ps(alpha);
-      for (int64_t i = 0; i < d; i += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(&acc[h][i]), av);
-        for (int64_t j = 0; j < cn; ++j)
-          a = _mm256_fmadd_ps(_mm256_set1_ps(s[h][j]), load8(vc + (c0 + j) * d + i), a);
-        _mm256_storeu_ps(&acc[h][i], a);
+      for (int64_t i0 = 0; i0 < d; i0 += 64) {  // 8 blocks of the output in registers, keys ascending
+        const int64_t nb = std::min<int64_t>(8, (d - i0) / 8);
+        __m256 o[8];
+        for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_mul_ps(_mm256_load_ps(&acc[h][i0 + 8 * b]), av);
+        for (int64_t j = 0; j < cn; ++j) {
+          const __m256 p = _mm256_set1_ps(s[h][j]);
+          const C* vr = vc + (c0 + j) * d + i0;
+          for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_fmadd_ps(p, load8(vr + 8 * b), o[b]);
+        }
+        for (int64_t b = 0; b < nb; ++b) _mm256_store_ps(&acc[h][i0 + 8 * b], o[b]);
       }
     }
   }
@@ -482,8 +507,9 @@ void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t g, in
     for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h][i] / den[h]);
 }
 
+// `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_row).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale) {
   check_cpu(q, "q");
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
@@ -496,11 +522,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0 && d <= 256, "attention: head dim must be a multiple of 8, <= 256");
   TORCH_CHECK(h % hkv == 0 && h / hkv <= 16, "attention: query heads must be a multiple of KV heads (<= 16x)");
   at::Tensor sl = slots.to(at::kLong).contiguous(), ln = lengths.to(at::kLong).contiguous();
+  at::Tensor al = aligns.to(at::kLong).contiguous();
+  TORCH_CHECK(sl.numel() == n && ln.numel() == n && al.numel() == n, "attention: one slot, length, align per row");
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* lp = ln.data_ptr<int64_t>();
+  const int64_t* ap = al.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < k_cache.size(0) && lp[r] >= 1 && lp[r] <= lmax,
-                "attention: slot or length out of range");
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < k_cache.size(0) && lp[r] >= 1 && lp[r] <= lmax && ap[r] >= 0,
+                "attention: slot, length or align out of range");
   at::Tensor out = at::empty_like(q);
   const int64_t g = h / hkv;
   const bool fp32_cache = k_cache.scalar_type() == at::kFloat;
@@ -510,12 +539,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const float sc = static_cast<float>(scale);
       if (q.scalar_type() == at::kFloat && fp32_cache)
         attend_row(q.data_ptr<float>() + qo, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off,
-                   lp[r], g, d, sc, out.data_ptr<float>() + qo);
+                   lp[r], ap[r], g, d, sc, out.data_ptr<float>() + qo);
       else if (q.scalar_type() == at::kFloat)
-        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], g, d, sc,
+        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], ap[r], g, d, sc,
                    out.data_ptr<float>() + qo);
       else
-        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], g, d, sc,
+        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], ap[r], g, d, sc,
                    out.data_ptr<bf16>() + qo);
     }
   });
@@ -608,8 +637,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // ---- the decoder stack in one call ---------------------------------------------------
-// models/llama.py's layer for a forward whose rows all attend exactly, with bf16
-// activations and a bf16 cache: the same kernels in the same order, called from here
+// models/llama.py's layer for a forward with bf16 activations and a bf16 cache (each row's
+// attention chunks aligned as `aligns` says, see attend_row): the same kernels in the same order, called from here
 // instead of ~14 Python dispatches per layer. RoPE and the residual adds round each op
 // to bf16 as PyTorch's elementwise bf16 ops do (compute in fp32, round to nearest even),
 // so every bit equals the Python path's (tests/test_kernels.py compares them).
@@ -671,7 +700,8 @@ constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the 
 // positions); caches [layers, S, Hkv, L, D] bf16; weights: kPerLayer tensors per layer.
 void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                   const at::Tensor& positions, int64_t heads, int64_t kv_heads, double eps, double scale) {
+                   const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads, double eps,
+                   double scale) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
@@ -716,7 +746,7 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
         }
       });
     }
-    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, scale); }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale); }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[3], maybe(W[4]), false); }
     { Phase p{4}; add_into(h, y); }
     { Phase p{0}; x = rmsnorm(h, W[5], eps); }
