@@ -565,7 +565,13 @@ void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d
       a = _mm256_fmadd_ps(v, v, a);
     }
     const float inv = 1.0f / std::sqrt(hsum(a) / static_cast<float>(d) + eps);
-    for (int64_t i = 0; i < d; ++i) {
+    int64_t i = 0;
+    if constexpr (std::is_same<T, bf16>::value) {  // the same roundings, 8 at a time
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (; i + 8 <= d; i += 8)
+        store8(out + r * d + i, _mm256_mul_ps(load8(w + i), round_bf16(_mm256_mul_ps(_mm256_loadu_ps(&xf[i]), iv))));
+    }
+    for (; i < d; ++i) {
       const float wi = bf16_value(w[i]);
       out[r * d + i] = static_cast<T>(wi * static_cast<float>(static_cast<T>(xf[i] * inv)));
     }
@@ -644,17 +650,31 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // so every bit equals the Python path's (tests/test_kernels.py compares them).
 inline float rnd(float v) { return static_cast<float>(static_cast<bf16>(v)); }
 
-// Rotates `heads` heads of one row (HF layout: x * cos + cat(-x2, x1) * sin, each op rounded).
+// Rotates `heads` heads of one row (HF layout: x * cos + cat(-x2, x1) * sin, each op rounded),
+// 8 lanes at a time where the half head allows, else one by one: the same bits.
 void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out) {
   const int64_t half = d / 2;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t h = 0; h < heads; ++h) {
     const bf16* xh = x + h * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const float xi = static_cast<float>(xh[i]);
-      const float rot = i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
-      const float a = rnd(xi * static_cast<float>(cs[i])), b = rnd(rot * static_cast<float>(sn[i]));
-      out[h * d + i] = static_cast<bf16>(a + b);
+    bf16* oh = out + h * d;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+      const __m256 x1 = load8(xh + i), x2 = load8(xh + half + i);
+      const __m256 lo = _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, load8(cs + i))),
+                                      round_bf16(_mm256_mul_ps(_mm256_xor_ps(x2, sign), load8(sn + i))));
+      const __m256 hi = _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, load8(cs + half + i))),
+                                      round_bf16(_mm256_mul_ps(x1, load8(sn + half + i))));
+      store8(oh + i, lo);
+      store8(oh + half + i, hi);
     }
+    for (; i < half; ++i)
+      for (const int64_t j : {i, i + half}) {
+        const float xi = static_cast<float>(xh[j]);
+        const float rot = j < half ? -static_cast<float>(xh[j + half]) : static_cast<float>(xh[j - half]);
+        const float a = rnd(xi * static_cast<float>(cs[j])), b = rnd(rot * static_cast<float>(sn[j]));
+        oh[j] = static_cast<bf16>(a + b);
+      }
   }
 }
 
@@ -662,7 +682,9 @@ void add_into(at::Tensor& h, const at::Tensor& y) {  // h = bf16(h + y), element
   bf16* hp = h.data_ptr<bf16>();
   const bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, h.numel(), 1 << 15, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(yp[i]));
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8) store8(hp + i, _mm256_add_ps(load8(hp + i), load8(yp + i)));
+    for (; i < e; ++i) hp[i] = static_cast<bf16>(static_cast<float>(hp[i]) + static_cast<float>(yp[i]));
   });
 }
 
