@@ -32,7 +32,7 @@ test: $(STAMP)
 
 # At all cores, as users run it (the thread count is in the report).
 BENCH := --batch-sizes 1,8,16 --limit 16 --max-new-tokens 128 --repeats 3 --warmup 1 \
-         --policies fast,batch-invariant,layercast,dvr,verify-all,margin
+         --policies fast,fast-library,batch-invariant,layercast,dvr,verify-all,margin
 
 bench: $(STAMP)
 	$(BIN)/margingate bench $(BENCH) --peers hf --out results/bench
