@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from .data.prompts import Prompt, builtin_prompts, load_prompts_file
 from .models.loader import DEFAULT_MODEL
+from .models.named import NAMED
 from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICY_NAMES, PRECISIONS, REPAIRS, PolicySpec
 from .policies.options import parse_tau
 from .prefix_cache import DEFAULT_MAX_TOKENS as PREFIX_CACHE_TOKENS
@@ -57,7 +58,8 @@ def tau(text: str) -> float:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"embedded model name or a local Hugging Face folder (default {DEFAULT_MODEL})")
+                   help=f"a named model ({', '.join(NAMED)}), a .gguf file (a split one's first part) or a "
+                        f"local Hugging Face folder (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: all cores; the tokens do not depend on it)")

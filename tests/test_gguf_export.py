@@ -18,7 +18,7 @@ def written(model_dir, tmp_path_factory):
 
 def test_permute_inverts_the_loaders_unpermute():
     from margingate.models.gguf_export import permute
-    from margingate.models.loader import _unpermute
+    from margingate.models.gguf_import import unpermute as _unpermute
 
     w = torch.arange(3 * 8 * 5, dtype=torch.float32).reshape(24, 5)
     assert torch.equal(_unpermute(permute(w, 3), 3), w)
@@ -27,7 +27,9 @@ def test_permute_inverts_the_loaders_unpermute():
 
 def test_every_tensor_is_our_bf16_weight_bitwise(written, model_dir):
     from margingate.models.gguf_export import read_tensor
-    from margingate.models.loader import _unpermute, hf_name, load_state_dict
+    from margingate.models.gguf_import import hf_name
+    from margingate.models.gguf_import import unpermute as _unpermute
+    from margingate.models.loader import load_state_dict
 
     ours = load_state_dict(model_dir, torch.bfloat16)
     heads = int(written.fields["llama.attention.head_count"].contents())

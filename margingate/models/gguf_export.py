@@ -7,7 +7,7 @@ weights; this writes the cache back into a GGUF instead:
 * metadata: every key-value of the embedded GGUF (architecture, shapes, rope, tokenizer, chat
   template), with `general.file_type` set to BF16;
 * tensors: GGUF names and the q/k row order llama.cpp expects for Llama, the exact inverse of the
-  loader's map (`loader.hf_name`, `loader._unpermute`). 2-D tensors are BF16, bit for bit. The
+  loader's map (`gguf_import.hf_name`, `gguf_import.unpermute`). 2-D tensors are BF16, bit for bit. The
   1-D norm weights are F32, as llama.cpp's own converter writes them (ggml multiplies F32
   activations by them and has no F32 x BF16 elementwise kernel); BF16 -> F32 is exact, so they
   hold the same numbers.
@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .loader import EMBEDDED, embedded_gguf_path, hf_name, load_config, load_state_dict
+from .gguf_import import hf_name
+from .loader import EMBEDDED, embedded_gguf_path, load_config, load_state_dict
 
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16 ("except 1d tensors")
 
 
 def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Hugging Face q/k rows -> llama.cpp's (the rotary halves of each head interleaved); the inverse
-    of `loader._unpermute`."""
+    of `gguf_import.unpermute`."""
     rows, cols = w.shape
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 

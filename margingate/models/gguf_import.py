@@ -1,0 +1,193 @@
+"""A GGUF model (one file or the parts of a split one) -> a Hugging Face style folder in BF16.
+
+Dequantized once (any type `gguf.quants.dequantize` knows), written as safetensors shards
+with config.json and the tokenizer (with its chat template) from the GGUF metadata, so every
+later load is the plain folder path. llama.cpp's conventions are undone here: Llama-arch
+files store Q/K rows interleaved for its RoPE, Gemma files store norm weights as 1 + w.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# GGUF (llama.cpp) tensor names -> Hugging Face names; `gguf_export.py` writes the inverse.
+GGUF_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_LAYER_NAMES = {  # blk.{i}.{kind}.{weight|bias} -> model.layers.{i}.{module}.{weight|bias}
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma 3 has four norms per layer and q/k norms: llama.cpp's ffn_norm is its pre-FFN norm.
+GEMMA3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm",
+                      "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+# GGUF general.architecture -> (HF architecture, model_type, layer names, Q/K permuted by llama.cpp).
+# Mistral's GGUF files are written as arch "llama".
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", GGUF_LAYER_NAMES, True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", GGUF_LAYER_NAMES, False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False),
+}
+# Chat templates for files whose metadata carries none (llama.cpp falls back to built-ins too).
+# Gemma's: a system message is folded into the first user turn.
+BUILTIN_CHAT_TEMPLATES = {"gemma3": (
+    "{{ bos_token }}{% set ns = namespace(prefix='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.prefix = m['content'] + '\\n\\n' %}{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ (ns.prefix + m['content']) | trim }}<end_of_turn>\n{% set ns.prefix = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")}
+SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
+
+
+class GGUFError(ValueError):
+    """A GGUF file this converter cannot turn into a supported model."""
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of a model of GGUF architecture `arch`."""
+    base, kind = gguf_name.rsplit(".", 1)
+    if base in GGUF_MODEL_NAMES:
+        return f"{GGUF_MODEL_NAMES[base]}.{kind}"
+    parts = base.split(".")
+    layer_names = ARCHS[arch][2]
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_names:
+        raise GGUFError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
+    return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp interleaves the two rotary halves of each head; HF keeps them split (bias rows too).
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def readers(paths: list[Path]):
+    import gguf
+
+    return [gguf.GGUFReader(str(p)) for p in paths]
+
+
+def metadata(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items()
+            if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                         "tokenizer.ggml.token_type")}
+
+
+def architecture(meta: dict, source: Path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise GGUFError(f"{source}: GGUF architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHS)})")
+    return arch
+
+
+def bf16_bytes(paths: list[Path]) -> int:
+    """The model's size once dequantized to BF16 (2 bytes per weight)."""
+    return sum(2 * int(t.n_elements) for r in readers(paths) for t in r.tensors)
+
+
+def convert(paths: list[Path], folder: Path) -> None:
+    """Write the HF-style folder for the GGUF file `paths` (a split file's parts, in order)."""
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    parts = readers(paths)
+    meta = metadata(parts[0])
+    arch = architecture(meta, paths[0])
+    _, _, _, permuted = ARCHS[arch]
+    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for old in tmp.glob("*.safetensors"):  # an interrupted earlier conversion
+        old.unlink()
+    tensors = [t for r in parts for t in r.tensors]
+    shard, size, names, shards = {}, 0, set(), 0
+    for t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        name = hf_name(t.name, arch)
+        if permuted and ".attn_q." in t.name:
+            w = unpermute(w, n_heads)
+        elif permuted and ".attn_k." in t.name:
+            w = unpermute(w, n_kv)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the stored weight
+        shard[name] = w.to(torch.bfloat16).contiguous()
+        names.add(name)
+        size += 2 * w.numel()
+        if size >= SHARD_BYTES:
+            shards += 1
+            save_file(shard, str(tmp / f"model-{shards:05d}.safetensors"))
+            shard, size = {}, 0
+    if shard:
+        save_file(shard, str(tmp / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
+    config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
+    (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name}, indent=2))
+    save_tokenizer(paths[0], tmp)
+    if folder.exists():
+        for f in tmp.iterdir():
+            f.replace(folder / f.name)
+        tmp.rmdir()
+    else:
+        tmp.replace(folder)
+
+
+def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
+    """config.json for the model, from the GGUF metadata (as transformers would read it)."""
+    architecture_name, model_type, _, _ = ARCHS[arch]
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    config = {
+        "architectures": [architecture_name], "model_type": model_type,
+        "vocab_size": int(get("vocab_size", embed.shape[-1])),  # GGUF shapes are reversed: [hidden, vocab]
+        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads, "num_key_value_heads": int(get("attention.head_count_kv")),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": tied,
+        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": end_tokens(meta, reader),
+        "torch_dtype": "bfloat16",
+    }
+    if get("attention.sliding_window") is not None:
+        config["sliding_window"] = int(get("attention.sliding_window"))
+    if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
+        config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                      query_pre_attn_scalar=config["head_dim"], hidden_activation="gelu_pytorch_tanh")
+    return config
+
+
+def end_tokens(meta: dict, reader) -> int | list[int]:
+    """The end-of-sequence id, and the end-of-turn ids a chat model stops at when the GGUF names them."""
+    ids = [int(meta["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in meta else []
+    ids += [int(meta[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+    if meta.get("general.architecture") == "gemma3":  # its chat turns end with <end_of_turn>
+        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        ids += [tokens.index("<end_of_turn>")] if "<end_of_turn>" in tokens else []
+    ids = list(dict.fromkeys(ids))
+    return ids[0] if len(ids) == 1 else ids
+
+
+def save_tokenizer(gguf_path: Path, out: Path) -> None:
+    """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
+        fields = readers([gguf_path])[0].fields
+        field = fields.get("tokenizer.chat_template")
+        arch = fields["general.architecture"].contents()
+        tok.chat_template = field.contents() if field is not None else BUILTIN_CHAT_TEMPLATES.get(arch)
+    tok.save_pretrained(str(out))
