@@ -9,6 +9,7 @@ the replica's engine thread. /metrics answers for the replica that serves the re
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .. import args as cli
@@ -53,9 +54,15 @@ def serve_replicas(args: argparse.Namespace, config) -> None:
     serve.start(http_options={"host": args.host, "port": args.port})
     print(f"serving {replicas} replicas x {threads} threads on http://{args.host}:{args.port} (Ray Serve)",
           file=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too: drain the replicas, stop what we started
     try:
         serve.run(deployment(args, config, replicas, threads), name=APP_NAME, route_prefix="/", blocking=True)
     except KeyboardInterrupt:
         pass
     finally:
         serve.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
