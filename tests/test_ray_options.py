@@ -46,3 +46,12 @@ def test_an_unreachable_cluster_is_named_in_seconds(capsys):
         port = s.getsockname()[1]
     code, err = run(capsys, "generate", "hi", "--ray", f"127.0.0.1:{port}")
     assert code == 2 and f"no Ray cluster answers at 127.0.0.1:{port}" in err, err
+
+
+def test_fleet_metrics_add_up_series_by_series():
+    from margingate.distributed.metrics import summed
+
+    a = '# HELP m_total n\n# TYPE m_total counter\nm_total{policy="fast"} 2\nm_bucket{le="+Inf"} 1\ng 0.5\n'
+    b = '# HELP m_total n\n# TYPE m_total counter\nm_total{policy="fast"} 3\nm_total{policy="x y"} 1\ng 0.25\n'
+    assert summed([a, b]) == ('# HELP m_total n\n# TYPE m_total counter\nm_total{policy="fast"} 5\n'
+                              'm_bucket{le="+Inf"} 1\ng 0.75\nm_total{policy="x y"} 1\n')

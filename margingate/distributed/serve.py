@@ -4,16 +4,18 @@ Each replica is a Ray actor that builds one engine (as `serve` builds it locally
 core budget) and the very same app around it: routes, API key guard, per-request determinism
 report and /metrics are the single-process server's code. Ray Serve's HTTP proxy is the one
 ingress; it hands every request to a replica as ASGI, and the app's lifespan starts and drains
-the replica's engine thread. /metrics answers for the replica that serves the request.
+the replica's engine thread. /metrics answers for the whole fleet (metrics.py).
 """
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
+import threading
+import uuid
 
 from .. import args as cli
-from . import require_ray
+from . import metrics, require_ray
 from .options import LOCAL, connect
 
 APP_NAME = "margingate"
@@ -37,7 +39,15 @@ def deployment(args: argparse.Namespace, config, replicas: int, threads: int):
             self.args, self.config = argparse.Namespace(**{**vars(args), "threads": threads}), config
 
         def __serve_build_asgi_app__(self):
-            return create_app(cli.llm(self.args, self.args.max_batch_size), self.config)
+            app = create_app(cli.llm(self.args, self.args.max_batch_size), self.config)
+            self.board, self.id, self.stop = metrics.board(), uuid.uuid4().hex, threading.Event()
+            metrics.start_pushing(self.board, self.id, app.state.server.metrics.render, self.stop)
+            return metrics.fleet_metrics(app, self.board, self.id)
+
+        def __del__(self):
+            if hasattr(self, "stop"):
+                self.stop.set()
+                self.board.drop.remote(self.id)
 
     return EngineReplica.bind(args, config)
 
