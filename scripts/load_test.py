@@ -388,15 +388,16 @@ def markdown(report: dict) -> str:
         f"{cfg['max_queue']}, prefix cache on. `\"deterministic\": true` is `auto` = "
         f"`{report['auto_resolves_to']}` here. Requests stream (SSE), {cfg['max_tokens']} tokens each "
         f"(ignore_eos, greedy); latency: request sent to `[DONE]`; TTFT: to the first token released. "
-        f"Measured {report['date']} on a shared 2-core machine (other work was running): compare rows of one run.",
+        f"Measured {report['date']} (1-minute load average {report['load_avg_1m']:.1f} at the end): compare rows of "
+        "one run.",
         "",
         "## Traffic mixes",
         "",
         f"{cfg['requests']} requests per row from {cfg['concurrency']} concurrent clients; request i takes built-in "
         "prompt i mod 40 in every row; a hit is any cached block (the chat template's default system prompt is one), "
         "and after the first row whole prompts repeat. "
-        "On this CPU the deterministic rows are not slower: `auto` runs the invariant kernels, which beat the "
-        "library's here (README, `auto`). \"Equal to alone\": each guaranteed response against the same request "
+        "On this CPU the deterministic rows are not slower: `auto` runs the invariant kernels, which are as fast "
+        "as `fast`'s here (README, `auto`). \"Equal to alone\": each guaranteed response against the same request "
         "sent afterwards on the idle server.",
         "",
         "| deterministic | completed | 5xx | errors | wall s | req/s | tok/s | p50 latency s | p99 latency s "
@@ -530,7 +531,7 @@ def main(argv=None) -> int:
             proc.kill()
     report = {"command": " ".join(["PYTHONPATH=. .venv/bin/python scripts/load_test.py",
                                    shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
               "config": {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "time_cap",
                                                        "max_batch_size", "max_queue", "burst_extra", "ttft_reps",
                                                        "max_model_len", "threads")},
