@@ -32,37 +32,39 @@ class AttentionRows:
     """The plan as index tensors, built once per forward rather than once per layer.
 
     With our kernel every row goes in one call: exact rows lay their key chunks from position
-    0, batched rows align theirs to the batch's longest row (`align`, as a padded batched
-    kernel walks them). The library path keeps one padded SDPA call for the batched rows."""
+    0, batched rows align theirs to the batch's longest row (`aligns`, as a padded batched
+    kernel walks them). With `library_kernels` the batched rows instead share one padded SDPA
+    call, and only then are its gather, mask and row split built."""
 
-    def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor,
+                 library_kernels: bool = False):
         dev = slots.device
         self.slots, self.lengths = slots, positions + 1
         self.aligns = torch.zeros_like(positions)
-        self.exact = None
+        self.exact = self.batched = None
+        if not plan.batched:
+            return
+        lengths = self.lengths[plan.batched]
+        lmax = int(lengths.max())
+        self.aligns[plan.batched] = lmax
+        if not library_kernels:
+            return
         if plan.exact:
             idx = torch.tensor(plan.exact, device=dev)
             self.exact = (idx, slots[idx], self.lengths[idx])
-        self.batched = None
-        if plan.batched:
-            slot_list, pos_list = slots.tolist(), positions.tolist()
-            rs = [slot_list[r] for r in plan.batched]
-            lengths = [pos_list[r] + 1 for r in plan.batched]
-            lmax = max(lengths)
-            idx = torch.tensor(plan.batched, device=dev)
-            self.aligns[idx] = lmax
-            consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
-            gather = None if consecutive else torch.tensor(rs, device=dev)
-            mask = library.length_mask(torch.tensor(lengths, device=dev), lmax)
-            self.batched = (idx, rs[0], rs[0] + len(rs), gather, lmax, mask)
+        rs = slots[plan.batched].tolist()
+        consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
+        gather = None if consecutive else torch.tensor(rs, device=dev)
+        mask = library.length_mask(lengths, lmax)
+        self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax, mask)
 
 
-def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype,
-           library_kernels: bool = False) -> torch.Tensor:
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype) -> torch.Tensor:
     """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D).
-    `library_kernels`: batched rows through one padded SDPA call, reading the cache in `dtype`."""
+    Rows built for the library kernels send their batched rows through one padded SDPA call,
+    reading the cache in `dtype`."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if not library_kernels or rows.batched is None:
+    if rows.batched is None:
         return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns)
     out = torch.empty_like(q)
     if rows.exact is not None:

@@ -61,9 +61,9 @@ class LlamaModel:
         W = self.weights(ops.weight_dtype(dtype))
         h = layers.embed(tokens, W.embed, dtype)
         cos, sin = self._rotary.lookup(positions, dtype)
-        rows = AttentionRows(plan, slots, positions)
+        rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY)
         if self._fusable(ops, dtype, kv):
-            h = self._stack(h, W, cos, sin, kv, rows)
+            h = self._stack(h, W, cos, sin, kv, positions, rows)
         else:
             for li, L in enumerate(W.layers):
                 h = self._layer(li, L, h, ops, (cos, sin), rows, positions, slots, kv, dtype)
@@ -77,7 +77,7 @@ class LlamaModel:
         return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
-               rows: AttentionRows) -> torch.Tensor:
+               positions: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         if self._stack_weights is None:  # the bf16 weights, flattened once in the kernel's order
             none = torch.empty(0, dtype=torch.bfloat16)
             self._stack_weights = [t if t is not None else none for L in W.layers for t in (
@@ -85,7 +85,7 @@ class LlamaModel:
                 L.gate_up, L.down_proj)]
         cfg = self.config
         return invariant_kernels.decoder_stack(
-            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, rows.lengths - 1, rows.aligns,
+            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, positions, rows.aligns,
             cfg.num_heads, cfg.num_kv_heads, cfg.rms_eps, 1.0 / math.sqrt(cfg.head_dim))
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
@@ -99,7 +99,7 @@ class LlamaModel:
         q = rotary.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), *rope)
         k = rotary.rotate(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, library_kernels=ops is layers.LIBRARY)
+        attn = attend(q, kv.k[li], kv.v[li], rows, dtype)
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
         return h + ops.mlp(x, L.gate_up, L.down_proj)
