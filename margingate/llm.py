@@ -13,7 +13,7 @@ from .engine import Engine, EngineConfig, Request, Result
 from .engine.engine import StreamEvent
 from .kernels import VERSION as KERNELS_VERSION
 from .kernels import invariant
-from .models.llama import LlamaModel
+from .models import build_model
 from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
 from .models.tokenizer import Tokenizer
 from .policies import DEFAULT_TAU, Policy, PolicySpec
@@ -40,7 +40,7 @@ class LLM:
         self.model_name = model
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
-        self.model = LlamaModel(self.config, load_state_dict(self.folder), device)
+        self.model = build_model(self.config, load_state_dict(self.folder), device)
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)

@@ -132,33 +132,38 @@ def cache(slots=3, heads=3, length=80, dim=64, dtype=torch.bfloat16):
     return randn(slots, heads, length, dim, seed=8, dtype=dtype), randn(slots, heads, length, dim, seed=9, dtype=dtype)
 
 
+@pytest.mark.parametrize("window", [0, 40], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_attention_rows_independent(dtype, threads):
+def test_attention_rows_independent(dtype, window, threads):
     """Rows over prefixes of 1..80 keys (chunk edges 31, 32, 33, 64, 65 included) in several
-    slots: each row alone equals that row inside any call, bitwise."""
+    slots, over all their keys or a sliding window's: each row alone equals that row inside any
+    call, bitwise."""
     k, v = cache()
     lengths = torch.tensor([1, 31, 32, 33, 64, 65, 80, 2, 17, 48, 63, 79, 5, 40, 66, 30, 8, 50, 70, 12] * 2)
     slots = torch.arange(lengths.shape[0]) % 3
     q = randn(lengths.shape[0], 9, 64, seed=10, dtype=dtype)
     scale = 0.125
-    alone = torch.cat([K.attention(q[i:i + 1], k, v, slots[i:i + 1], lengths[i:i + 1], scale)
+    alone = torch.cat([K.attention(q[i:i + 1], k, v, slots[i:i + 1], lengths[i:i + 1], scale, window=window)
                        for i in range(q.shape[0])])
     for n in ROW_COUNTS:
         for start in (0, q.shape[0] - n):
-            got = K.attention(q[start:start + n], k, v, slots[start:start + n], lengths[start:start + n], scale)
+            got = K.attention(q[start:start + n], k, v, slots[start:start + n], lengths[start:start + n], scale,
+                              window=window)
             assert torch.equal(got, alone[start:start + n]), f"{n} rows from row {start}"
 
 
-def test_attention_is_correct():
-    """Against SDPA in float64 over the same prefix (grouped query heads)."""
+@pytest.mark.parametrize("window", [0, 33], ids=["full", "sliding-window"])
+def test_attention_is_correct(window):
+    """Against SDPA in float64 over the same prefix, or its last `window` keys (grouped query heads)."""
     k, v = cache(dtype=torch.float32)
     q = randn(6, 9, 64, seed=11, dtype=torch.float32)
     lengths, slots = torch.tensor([1, 31, 32, 33, 65, 80]), torch.tensor([0, 1, 2, 0, 1, 2])
-    got = K.attention(q, k, v, slots, lengths, 0.125)
+    got = K.attention(q, k, v, slots, lengths, 0.125, window=window)
     for i in range(6):
         s, n = int(slots[i]), int(lengths[i])
-        want = F.scaled_dot_product_attention(q[i].double().view(3, 3, 64), k[s, :, :n].double(),
-                                              v[s, :, :n].double(), scale=0.125).reshape(9, 64)
+        lo = max(0, n - window) if window else 0
+        want = F.scaled_dot_product_attention(q[i].double().view(3, 3, 64), k[s, :, lo:n].double(),
+                                              v[s, :, lo:n].double(), scale=0.125).reshape(9, 64)
         assert (got[i].double() - want).abs().max() < 1e-5, f"row {i} over {n} keys"
 
 
@@ -192,20 +197,30 @@ def test_attention_refuses_bad_lengths():
 # --- norms and activation --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama-norm", "gemma-norm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_rmsnorm_and_silu_rows_independent_and_correct(dtype, threads):
-    """Per-row kernels: row-independent bitwise, and within one rounding of the library's."""
-    x, w = randn(40, 576, seed=12, dtype=dtype), randn(576, seed=13)
-    alone = torch.cat([K.rmsnorm(x[i:i + 1], w, 1e-5) for i in range(40)])
-    assert_rows_independent(lambda part: K.rmsnorm(part, w, 1e-5), x, alone)
-    ref = library.rmsnorm(x, w.to(dtype), 1e-5).double()
-    assert ((alone.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all()
+def test_rmsnorm_rows_independent_and_correct(dtype, unit_offset, threads):
+    """Per-row kernel: row-independent bitwise, and within one rounding of the library's (a width
+    with a tail past the last 8 lanes included)."""
+    for d in (576, 260):
+        x, w = randn(40, d, seed=12, dtype=dtype), randn(d, seed=13)
+        alone = torch.cat([K.rmsnorm(x[i:i + 1], w, 1e-5, unit_offset) for i in range(40)])
+        assert_rows_independent(lambda part: K.rmsnorm(part, w, 1e-5, unit_offset), x, alone)
+        ref = library.rmsnorm(x.double(), w.double(), 1e-5, unit_offset)
+        assert ((alone.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all()
 
-    gu = randn(40, 2 * 1536, seed=14, dtype=dtype, scale=3.0)
-    alone = torch.cat([K.silu_mul(gu[i:i + 1]) for i in range(40)])
-    assert_rows_independent(K.silu_mul, gu, alone)
-    ref = library.silu_mul(gu.double())
-    assert ((alone.double() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-6).all()
+
+@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gated_activations_rows_independent_and_correct(dtype, act, threads):
+    """act(gate) * up: row-independent bitwise, and within one rounding of the library's in float64
+    (an intermediate width with a tail included; gates up to about +-12 reach both saturations)."""
+    for inter in (1536, 1030):
+        gu = randn(40, 2 * inter, seed=14, dtype=dtype, scale=3.0)
+        alone = torch.cat([getattr(K, act)(gu[i:i + 1]) for i in range(40)])
+        assert_rows_independent(getattr(K, act), gu, alone)
+        ref = getattr(library, act)(gu.double())
+        assert ((alone.double() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-6).all()
 
 
 def test_the_harness_catches_a_library_kernel():

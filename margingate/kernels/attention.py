@@ -55,27 +55,37 @@ class AttentionRows:
         rs = slots[plan.batched].tolist()
         consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
         gather = None if consecutive else torch.tensor(rs, device=dev)
-        mask = library.length_mask(lengths, lmax)
-        self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax, mask)
+        self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax)
+        self._batched_lengths = lengths
+        self._masks: dict[int, torch.Tensor | None] = {}
+
+    def mask(self, window: int) -> torch.Tensor | None:
+        """The padded SDPA call's key mask for layers with this sliding window (0: none), built once."""
+        if window not in self._masks:
+            self._masks[window] = library.length_mask(self._batched_lengths, self.batched[-1], window)
+        return self._masks[window]
 
 
-def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype) -> torch.Tensor:
-    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D).
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype,
+           scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D)
+    unless given; `window` > 0: each row sees only its last `window` keys (sliding-window layers).
     Rows built for the library kernels send their batched rows through one padded SDPA call,
     reading the cache in `dtype`."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if rows.batched is None:
-        return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns)
+        return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns, window)
     out = torch.empty_like(q)
     if rows.exact is not None:
         idx, slots, lengths = rows.exact
-        out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale)
-    idx, lo, hi, gather, lmax, mask = rows.batched
+        out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale, window=window)
+    idx, lo, hi, gather, lmax = rows.batched
+    mask = rows.mask(window)
     if gather is None:  # consecutive slots: views, no copy
         kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
     else:
         kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
     if kb.dtype != dtype:
         kb, vb = kb.to(dtype), vb.to(dtype)
-    out[idx] = library.batched_attention(q[idx], kb, vb, mask)
+    out[idx] = library.batched_attention(q[idx], kb, vb, mask, scale)
     return out

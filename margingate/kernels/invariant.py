@@ -77,19 +77,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              lengths: torch.Tensor, scale: float, aligns: torch.Tensor | None = None) -> torch.Tensor:
-    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of cache slot slots[r], its key chunks
-    laid from position 0 (exact; aligns None or 0) or aligned to a padded length aligns[r] (`fast`)."""
+              lengths: torch.Tensor, scale: float, aligns: torch.Tensor | None = None,
+              window: int = 0) -> torch.Tensor:
+    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of cache slot slots[r] (with `window`
+    > 0, only the last `window` of them), its key chunks laid from its first key (exact; aligns None
+    or 0) or aligned to a padded length aligns[r] (`fast`)."""
     aligns = torch.zeros_like(lengths) if aligns is None else aligns
-    return ops().attention(q.contiguous(), k_cache, v_cache, slots, lengths, aligns, scale)
+    return ops().attention(q.contiguous(), k_cache, v_cache, slots, lengths, aligns, scale, window)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return ops().rmsnorm(x.contiguous(), weight, eps)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Per-row RMSNorm. `unit_offset` (Gemma): the weight stored is w, the scale 1 + w, applied in fp32."""
+    return ops().rmsnorm(x.contiguous(), weight, eps, unit_offset)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ops().silu_mul(gate_up.contiguous())
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return ops().gelu_tanh_mul(gate_up.contiguous())
 
 
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,

@@ -22,24 +22,29 @@ Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = N
 class KernelSet:
     name: str
     linear: Linear
-    rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, unit_offset=False)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     bf16_weights: bool  # True: the weights stay bf16 for any activation dtype
 
     def weight_dtype(self, activations: torch.dtype) -> torch.dtype:
         return torch.bfloat16 if self.bf16_weights else activations
 
-    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up), gate|up fused in one weight."""
-        return self.linear(self.silu_mul(self.linear(x, gate_up)), down)
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""
+        act = self.gelu_tanh_mul if gelu else self.silu_mul
+        return self.linear(act(self.linear(x, gate_up)), down)
 
-    def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
+               unit_offset: bool = False) -> torch.Tensor:
         """The final norm and the head, in the activations' dtype, then widened to fp32."""
-        return self.linear(self.rmsnorm(h, norm, eps), lm_head).float()
+        return self.linear(self.rmsnorm(h, norm, eps, unit_offset), lm_head).float()
 
 
-INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, bf16_weights=True)
-LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, bf16_weights=False)
+INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,
+                      bf16_weights=True)
+LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, library.gelu_tanh_mul,
+                    bf16_weights=False)
 
 
 def kernel_set(use_invariant: bool) -> KernelSet:

@@ -33,14 +33,6 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", GGUF_LAYER_NAMES, False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False),
 }
-# Chat templates for files whose metadata carries none (llama.cpp falls back to built-ins too).
-# Gemma's: a system message is folded into the first user turn.
-BUILTIN_CHAT_TEMPLATES = {"gemma3": (
-    "{{ bos_token }}{% set ns = namespace(prefix='') %}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% set ns.prefix = m['content'] + '\\n\\n' %}{% else %}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{{ (ns.prefix + m['content']) | trim }}<end_of_turn>\n{% set ns.prefix = '' %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")}
 SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
 
 
@@ -186,8 +178,7 @@ def save_tokenizer(gguf_path: Path, out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
-        fields = readers([gguf_path])[0].fields
-        field = fields.get("tokenizer.chat_template")
-        arch = fields["general.architecture"].contents()
-        tok.chat_template = field.contents() if field is not None else BUILTIN_CHAT_TEMPLATES.get(arch)
+        field = readers([gguf_path])[0].fields.get("tokenizer.chat_template")
+        if field is not None:  # none: a base model, prompted as text (tokenizer.py)
+            tok.chat_template = field.contents()
     tok.save_pretrained(str(out))

@@ -31,6 +31,8 @@ __all__ = ["AttentionPlan", "LlamaModel"]
 
 
 class LlamaModel:
+    unit_offset_norms = False  # Gemma's RMSNorms scale by 1 + weight (gemma3.py)
+
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu"):
         """`state`: tensors by Hugging Face name (`loader.load_state_dict`); checked against the
         architecture's name map, so a missing or stray tensor is refused here by name."""
@@ -59,17 +61,25 @@ class LlamaModel:
         """
         ops = layers.kernel_set(invariant)
         W = self.weights(ops.weight_dtype(dtype))
-        h = layers.embed(tokens, W.embed, dtype)
-        cos, sin = self._rotary.lookup(positions, dtype)
+        h = self._embed(tokens, W, dtype)
         rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY)
         if self._fusable(ops, dtype, kv):
+            cos, sin = self._rotary.lookup(positions, dtype)
             h = self._stack(h, W, cos, sin, kv, positions, rows)
         else:
+            ropes = self._ropes(positions, dtype)
             for li, L in enumerate(W.layers):
-                h = self._layer(li, L, h, ops, (cos, sin), rows, positions, slots, kv, dtype)
+                h = self._layer(li, L, h, ops, ropes[li], rows, positions, slots, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
-        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps)
+        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.unit_offset_norms)
+
+    def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
+        return layers.embed(tokens, W.embed, dtype)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin for these positions (one table for every layer here)."""
+        return [self._rotary.lookup(positions, dtype)] * self.config.num_layers
 
     def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
         """The compiled stack covers our kernels with bf16 activations and cache: every forward

@@ -17,12 +17,15 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
+        template. A base model has no template (its GGUF carries none): it continues the messages'
+        text, one message per paragraph, as a text-completion engine would."""
         if prompt.kind == "text":
-            return self.encode(prompt.text)
+            return self._tok.encode(prompt.text, add_special_tokens=True)
         if not self.has_chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use {\"text\": ...} prompts")
+            return self._tok.encode("\n\n".join(m["content"] for m in prompt.messages), add_special_tokens=True)
         text = self._tok.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self.encode(text)  # the template writes the special tokens itself
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

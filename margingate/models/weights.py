@@ -25,12 +25,23 @@ class WeightsError(ValueError):
 class Architecture:
     attention_bias: bool | None  # fixed by the architecture; None: config.json's `attention_bias` (default false)
     biased: tuple[str, ...]      # our projections that carry a bias when attention_bias holds
+    extra: tuple[str, ...] = ()  # layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP)
 
+
+# Gemma 3's q/k norms and its norms around the MLP (its post_attention_layernorm norms the
+# attention's output, where the Llama family's norms the MLP's input).
+EXTRA_LAYER_MAP = {
+    "q_norm": ("self_attn.q_norm",),
+    "k_norm": ("self_attn.k_norm",),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm",),
+    "post_feedforward_layernorm": ("post_feedforward_layernorm",),
+}
 
 ARCHITECTURES = {  # as transformers builds them
     "LlamaForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj")),
     "MistralForCausalLM": Architecture(attention_bias=False, biased=()),
     "Qwen2ForCausalLM": Architecture(attention_bias=True, biased=("qkv",)),
+    "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), extra=tuple(EXTRA_LAYER_MAP)),
 }
 
 # Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.
@@ -57,6 +68,10 @@ class LayerWeights:
     down_proj: torch.Tensor
     input_layernorm: torch.Tensor
     post_attention_layernorm: torch.Tensor
+    q_norm: torch.Tensor | None = None  # Gemma 3 (EXTRA_LAYER_MAP)
+    k_norm: torch.Tensor | None = None
+    pre_feedforward_layernorm: torch.Tensor | None = None
+    post_feedforward_layernorm: torch.Tensor | None = None
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)})
@@ -94,8 +109,9 @@ def weight_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     names = {"embed": (MODEL_MAP["embed"] + ".weight",), "norm": (MODEL_MAP["norm"] + ".weight",)}
     if not config.tie_embeddings:
         names["lm_head"] = (MODEL_MAP["lm_head"] + ".weight",)
+    layer_map = LAYER_MAP | {k: EXTRA_LAYER_MAP[k] for k in arch.extra}
     for i in range(config.num_layers):
-        for ours, modules in LAYER_MAP.items():
+        for ours, modules in layer_map.items():
             full = [f"model.layers.{i}.{m}" for m in modules]
             names[f"layers.{i}.{ours}"] = tuple(m + ".weight" for m in full)
             if config.attention_bias and ours in arch.biased:
@@ -111,8 +127,9 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     module = module.rsplit(".", 1)[-1]
     out, inp = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
                 "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-                "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden)
-                }.get(module, (hidden, None))  # the norms
+                "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden),
+                "q_norm": (config.head_dim, None), "k_norm": (config.head_dim, None),
+                }.get(module, (hidden, None))  # the other norms
     return (out,) if kind == "bias" or inp is None else (out, inp)
 
 
@@ -175,6 +192,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         gate_up=get(f"layers.{i}.gate_up"), down_proj=get(f"layers.{i}.down_proj"),
         input_layernorm=get(f"layers.{i}.input_layernorm"),
         post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
+        **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP},
     ) for i in range(config.num_layers)]
     lm_head = embed if config.tie_embeddings else get("lm_head")
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)

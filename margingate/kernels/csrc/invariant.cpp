@@ -14,8 +14,9 @@
 // - other dot products (fp32 linear, q.k): 8 fp32 lanes; lane l accumulates the
 //   products of a fixed set of k (one FMA chain, k ascending); then `hsum` adds the
 //   lanes in a fixed tree.
-// - attention: keys in fixed chunks of kChunk positions counted from position 0
-//   (batched `fast` rows: aligned to their batch's padded length instead, on purpose);
+// - attention: keys in fixed chunks of kChunk positions counted from the row's first key
+//   (position 0, or the start of its sliding window; batched `fast` rows: aligned to their
+//   batch's padded length instead, on purpose);
 //   online softmax merges the chunks in ascending order.
 // - rmsnorm: sum of squares as for dot products.
 #include <torch/extension.h>
@@ -508,8 +509,11 @@ void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t align
 }
 
 // `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_row).
+// `window` > 0: a row sees only its last `window` keys (sliding-window layers) and lays its
+// chunks from the first of them, so its bits stay a function of its own position.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale) {
+                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
+                     int64_t window) {
   check_cpu(q, "q");
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
@@ -524,6 +528,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   at::Tensor sl = slots.to(at::kLong).contiguous(), ln = lengths.to(at::kLong).contiguous();
   at::Tensor al = aligns.to(at::kLong).contiguous();
   TORCH_CHECK(sl.numel() == n && ln.numel() == n && al.numel() == n, "attention: one slot, length, align per row");
+  TORCH_CHECK(window >= 0, "attention: window must be >= 0");
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* lp = ln.data_ptr<int64_t>();
   const int64_t* ap = al.data_ptr<int64_t>();
@@ -535,27 +540,30 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const bool fp32_cache = k_cache.scalar_type() == at::kFloat;
   at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const int64_t r = t / hkv, kvh = t % hkv, off = (sp[r] * hkv + kvh) * lmax * d, qo = (r * h + kvh * g) * d;
+      const int64_t r = t / hkv, kvh = t % hkv, qo = (r * h + kvh * g) * d;
+      // the row's keys are [lo, len): attend_row sees them as a prefix starting at lo
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, lp[r] - window) : 0;
+      const int64_t off = ((sp[r] * hkv + kvh) * lmax + lo) * d, len = lp[r] - lo, align = ap[r] ? ap[r] - lo : 0;
       const float sc = static_cast<float>(scale);
       if (q.scalar_type() == at::kFloat && fp32_cache)
         attend_row(q.data_ptr<float>() + qo, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off,
-                   lp[r], ap[r], g, d, sc, out.data_ptr<float>() + qo);
+                   len, align, g, d, sc, out.data_ptr<float>() + qo);
       else if (q.scalar_type() == at::kFloat)
-        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], ap[r], g, d, sc,
+        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, len, align, g, d, sc,
                    out.data_ptr<float>() + qo);
       else
-        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, lp[r], ap[r], g, d, sc,
+        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, len, align, g, d, sc,
                    out.data_ptr<bf16>() + qo);
     }
   });
   return out;
 }
 
-// ---- rmsnorm, silu * up -------------------------------------------------------------
+// ---- rmsnorm, gated activations ------------------------------------------------------
 // rmsnorm as Hugging Face's Llama: h = x * rsqrt(mean(x^2) + eps) in fp32, cast to x's
-// dtype, times the weight.
+// dtype, times the weight. `unit_offset` (Gemma): h times (1 + weight) in fp32, cast once.
 template <typename T>
-void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d, float eps) {
+void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d, float eps, bool unit_offset) {
   std::vector<float> xf(d + 8, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(x[r * d + i]);
@@ -566,6 +574,13 @@ void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d
     }
     const float inv = 1.0f / std::sqrt(hsum(a) / static_cast<float>(d) + eps);
     int64_t i = 0;
+    if (unit_offset) {  // vector and tail: the same two fp32 products, one rounding
+      const __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= d; i += 8)
+        store8(out + r * d + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(&xf[i]), iv), _mm256_add_ps(one, load8(w + i))));
+      for (; i < d; ++i) out[r * d + i] = static_cast<T>((xf[i] * inv) * (1.0f + bf16_value(w[i])));
+      continue;
+    }
     if constexpr (std::is_same<T, bf16>::value) {  // the same roundings, 8 at a time
       const __m256 iv = _mm256_set1_ps(inv);
       for (; i + 8 <= d; i += 8)
@@ -578,7 +593,7 @@ void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d
   }
 }
 
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rmsnorm: weight must be bf16");
@@ -587,21 +602,31 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty_like(x);
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     if (x.scalar_type() == at::kFloat)
-      rmsnorm_rows(x.data_ptr<float>() + b * d, u16(weight), out.data_ptr<float>() + b * d, e - b, d, eps);
+      rmsnorm_rows(x.data_ptr<float>() + b * d, u16(weight), out.data_ptr<float>() + b * d, e - b, d, eps, unit_offset);
     else
-      rmsnorm_rows(x.data_ptr<bf16>() + b * d, u16(weight), out.data_ptr<bf16>() + b * d, e - b, d, eps);
+      rmsnorm_rows(x.data_ptr<bf16>() + b * d, u16(weight), out.data_ptr<bf16>() + b * d, e - b, d, eps, unit_offset);
   });
   return out;
 }
 
-// gate_up: [N, 2I] (gate | up) -> silu(gate) * up, [N, I]; silu rounded to the dtype first
-// (as Hugging Face's act_fn(gate) * up).
+// gate_up: [N, 2I] (gate | up) -> act(gate) * up, [N, I]; act rounded to the dtype first
+// (as Hugging Face's act_fn(gate) * up). Every element goes through the same vector code.
 inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
-template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+// GELU, tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3),
+// computed as g / (1 + exp(-2u)) (the same function: (1 + tanh(u)) / 2 = sigmoid(2u)), which keeps its
+// relative accuracy where tanh(u) is near -1.
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),  // -2 sqrt(2/pi)
+                                  _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3)));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(u2)));
+}
+
+template <typename T, __m256 (*Act)(__m256)>
+void act_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   constexpr bool kBf16 = std::is_same<T, bf16>::value;
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gu + r * 2 * inter;
@@ -615,7 +640,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
         std::memcpy(g, gate + i, c * sizeof(T));
         std::memcpy(u, up + i, c * sizeof(T));
       }
-      __m256 s = silu8(load8(full ? gate + i : g));
+      __m256 s = Act(load8(full ? gate + i : g));
       if (kBf16) s = round_bf16(s);
       const __m256 prod = _mm256_mul_ps(s, load8(full ? up + i : u));
       if (full) {
@@ -628,19 +653,22 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   }
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+template <__m256 (*Act)(__m256)>
+at::Tensor act_mul(const at::Tensor& gate_up) {
   check_cpu(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: [N, 2I]");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "act_mul: gate_up must be [N, 2I]");
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
     if (gate_up.scalar_type() == at::kFloat)
-      silu_mul_rows(gate_up.data_ptr<float>() + b * 2 * inter, out.data_ptr<float>() + b * inter, e - b, inter);
+      act_mul_rows<float, Act>(gate_up.data_ptr<float>() + b * 2 * inter, out.data_ptr<float>() + b * inter, e - b, inter);
     else
-      silu_mul_rows(gate_up.data_ptr<bf16>() + b * 2 * inter, out.data_ptr<bf16>() + b * inter, e - b, inter);
+      act_mul_rows<bf16, Act>(gate_up.data_ptr<bf16>() + b * 2 * inter, out.data_ptr<bf16>() + b * inter, e - b, inter);
   });
   return out;
 }
+at::Tensor silu_mul(const at::Tensor& gate_up) { return act_mul<silu8>(gate_up); }
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul<gelu_tanh8>(gate_up); }
 
 // ---- the decoder stack in one call ---------------------------------------------------
 // models/llama.py's layer for a forward with bf16 activations and a bf16 cache (each row's
@@ -746,7 +774,7 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
   for (int64_t li = 0; li < k_cache.size(0); ++li) {
     const at::Tensor* W = &weights[li * kPerLayer];
     at::Tensor x, qkv, attn, y, gu, act;
-    { Phase p{0}; x = rmsnorm(h, W[0], eps); }
+    { Phase p{0}; x = rmsnorm(h, W[0], eps, false); }
     { Phase p{1}; qkv = linear(x, W[1], maybe(W[2]), false); }
     {
       Phase p{2};
@@ -768,10 +796,10 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
         }
       });
     }
-    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale); }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, 0); }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[3], maybe(W[4]), false); }
     { Phase p{4}; add_into(h, y); }
-    { Phase p{0}; x = rmsnorm(h, W[5], eps); }
+    { Phase p{0}; x = rmsnorm(h, W[5], eps, false); }
     { Phase p{1}; gu = linear(x, W[6], c10::nullopt, false); }
     { Phase p{4}; act = silu_mul(gu); }
     { Phase p{1}; y = linear(act, W[7], c10::nullopt, false); }
@@ -786,8 +814,9 @@ bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_su
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "batch-invariant x @ W^T + b (bf16 W, fp32 accumulation)");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
-  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order");
+  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
   m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
