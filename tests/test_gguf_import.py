@@ -183,17 +183,23 @@ def test_named_model_without_its_packages(model, install, monkeypatch, cache):
         loader.resolve_model_dir(model)
 
 
+def _chunk_packages(tmp_path, data: bytes, model: str, filename: str) -> dict:
+    """Package folders of named model `model`, chunk i holding the i-th quarter of `data`."""
+    dirs = {}
+    for i, package in enumerate(named.NAMED[model].packages):
+        dirs[package] = tmp_path / package
+        dirs[package].mkdir()
+        (dirs[package] / filename.format(i)).write_bytes(data[i * len(data) // 4:(i + 1) * len(data) // 4])
+    return dirs
+
+
 def test_named_model_from_byte_chunks(tmp_path, monkeypatch, cache):
     """A GGUF split into raw byte chunks over several packages (as gemma3-270m ships) is joined once;
     a missing chunk package is named."""
     _write_gguf(_source_model("llama"), "llama", gguf.GGMLQuantizationType.F16, [tmp_path / "whole.gguf"],
                 tokenizer=False)
     data = (tmp_path / "whole.gguf").read_bytes()
-    dirs = {}
-    for i, package in enumerate(named.NAMED["gemma3-270m"].packages):
-        dirs[package] = tmp_path / package
-        dirs[package].mkdir()
-        (dirs[package] / f"model.gguf.part{i:02d}").write_bytes(data[i * len(data) // 4:(i + 1) * len(data) // 4])
+    dirs = _chunk_packages(tmp_path, data, "gemma3-270m", "model.gguf.part{:02d}")
     monkeypatch.setattr(named, "package_dir", lambda package: dirs.get(package))
     [joined] = named.gguf_files("gemma3-270m", cache / "gguf")
     assert joined.read_bytes() == data
@@ -212,11 +218,7 @@ def test_incomplete_gguf_is_refused_by_name(tmp_path, monkeypatch, cache):
     (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match=r"cut.gguf \([\d,]+ bytes\) is not a complete GGUF file.*truncated"):
         loader.resolve_model_dir(str(tmp_path / "cut.gguf"))
-    dirs = {}
-    for i, package in enumerate(named.NAMED["dsr1-qwen-7b"].packages):
-        dirs[package] = tmp_path / package
-        dirs[package].mkdir()
-        (dirs[package] / f"model_part_{i:04d}").write_bytes(data[i * len(data) // 4:(i + 1) * len(data) // 4])
+    dirs = _chunk_packages(tmp_path, data, "dsr1-qwen-7b", "model_part_{:04d}")
     monkeypatch.setattr(named, "package_dir", lambda package: dirs.get(package))
     with pytest.raises(loader.ModelNotFoundError, match="'dsr1-qwen-7b': its 2 package file.* not the whole model"):
         loader.resolve_model_dir("dsr1-qwen-7b")
