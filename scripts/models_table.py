@@ -107,8 +107,8 @@ def markdown(rows: list[dict]) -> str:
     out += [f"| {name} | {_pct(flip)} | {_pct(trig)} |" for name, flip, trig in PAPER]
     checks = [(r["model"], p, c) for r in rows for p, c in r.get("check", {}).items()]
     if checks:
-        out += ["", "`margingate check --model M --policy P` (defaults: 16 prompts x 128 tokens, B = 4 and 16,"
-                " heterogeneous and staggered):", "",
+        out += ["", "`margingate check --model M --policy P` (defaults: 16 built-in prompts x 128 tokens, B = 4 and 16,"
+                " heterogeneous, homogeneous and staggered batches):", "",
                 "| model | policy | runs | sequence determinism | flip rate | trigger rate | token digest |",
                 "|---|---|---|---|---|---|---|"]
         out += [f"| {m} | {p} | {c['runs']} | {_pct(c['sequence_determinism'], 1)} | {_pct(c['flip_rate'])} | "

@@ -130,6 +130,16 @@ def test_gguf_file_loads_as_its_source(arch, qtype, parts, tmp_path, cache):
     assert Tokenizer(folder).encode("Hello world") == Tokenizer(loader.resolve_model_dir("smollm2-135m")).encode(
         "Hello world")
     assert loader.resolve_model_dir(str(paths[0])) == folder  # cached: converted once
+    if parts == 1:  # a folder an older importer wrote (no version, a file it no longer writes) is redone
+        import json
+
+        raw = json.loads((folder / "config.json").read_text())
+        del raw["margingate_import_version"]
+        (folder / "config.json").write_text(json.dumps(raw))
+        (folder / "written-by-an-older-importer.txt").write_text("stale")
+        assert loader.resolve_model_dir(str(paths[0])) == folder
+        assert not (folder / "written-by-an-older-importer.txt").exists()
+        assert json.loads((folder / "config.json").read_text())["margingate_import_version"] == 2
 
 
 def test_split_gguf_needs_every_part(tmp_path, cache):

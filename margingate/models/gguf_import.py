@@ -33,6 +33,9 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", GGUF_LAYER_NAMES, False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False),
 }
+# Bump when a conversion's output changes: folders converted by an older version are converted again.
+# 2: no built-in chat template for a GGUF that carries none (a base model).
+IMPORT_VERSION = 2
 SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
 
 
@@ -127,9 +130,14 @@ def convert(paths: list[Path], folder: Path) -> None:
     if shard:
         save_file(shard, str(tmp / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
     config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
-    (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name}, indent=2))
+    (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
+                                                 "margingate_import_version": IMPORT_VERSION}, indent=2))
     save_tokenizer(paths[0], tmp)
-    if folder.exists():
+    if folder.exists():  # an older conversion: its files give way, none of them stays behind
+        fresh = {f.name for f in tmp.iterdir()}
+        for f in folder.iterdir():
+            if f.name not in fresh and f.is_file():
+                f.unlink()
         for f in tmp.iterdir():
             f.replace(folder / f.name)
         tmp.rmdir()

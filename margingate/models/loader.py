@@ -85,7 +85,11 @@ def split_parts(path: Path) -> list[Path]:
 
 
 def _converted(folder: Path) -> bool:
-    return (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
+    """A finished conversion by this version of the importer."""
+    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")):
+        return False
+    raw = json.loads((folder / "config.json").read_text())
+    return raw.get("margingate_import_version") == gguf_import.IMPORT_VERSION
 
 
 def _convert(parts: list[Path], folder: Path) -> None:
