@@ -130,3 +130,21 @@ def test_unsupported_gemma3_configs_are_refused_by_name(gemma, tmp_path, key, va
     (tmp_path / "config.json").write_text(json.dumps({**raw, key: value}))
     with pytest.raises(ValueError, match=message):
         load_config(tmp_path)
+
+
+def test_compiled_stack_equals_the_layer_by_layer_forward(gemma):
+    """Gemma's layer in the one-call compiled stack (q/k norms, post norms, GELU-tanh, both RoPE
+    tables, sliding windows crossed) gives the Python path's bits: logits and every K/V column,
+    for prompt rows of three requests (up to 30 positions, past the 8-key window) and a batched
+    decode step."""
+    from test_model_family import _fused_and_layered
+
+    _, ours, _ = gemma
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (60,), generator=g)
+    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
+    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
+    decode = torch.randint(0, SHAPE["vocab_size"], (3,), generator=g)
+    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(ours, tokens, positions, slots, decode)
+    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
+    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)

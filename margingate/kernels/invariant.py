@@ -101,13 +101,18 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  aligns: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+                  aligns: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float,
+                  windows: list[int] | None = None, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gemma: bool = False) -> torch.Tensor:
     """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
     `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
-    [layers, S, Hkv, L, D].
-    `weights`: per layer ln1, qkv, qkv bias, o, o bias, ln2, gate_up, down (an empty tensor: no bias)."""
-    ops().decoder_stack(h, weights, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, positions,
-                        aligns, heads, kv_heads, eps, scale)
+    [layers, S, Hkv, L, D]. `weights`: per layer ln1, qkv, qkv bias, o, o bias, ln2, gate_up, down,
+    q_norm, k_norm, pre-FFN norm, post-FFN norm (an empty tensor: none). `windows`: each layer's
+    sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer."""
+    cos_local, sin_local = local_rope if local_rope is not None else (cos, sin)
+    ops().decoder_stack(h, weights, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
+                        sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads, eps,
+                        scale, windows or [0] * k_cache.shape[0], gemma)
     return h
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 
@@ -64,7 +65,14 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5  # as transformers writes it
+        """As transformers computes it: Llama 1 / sqrt(head_dim), Gemma query_pre_attn_scalar ** -0.5."""
+        if self.query_pre_attn_scalar:
+            return self.query_pre_attn_scalar ** -0.5
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window; 0: it attends over every earlier position."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def fingerprint(self) -> str:
         """The shape and name (profiles and measurement caches are keyed by it). `architecture` is

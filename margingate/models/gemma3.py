@@ -12,8 +12,8 @@ tests/test_gemma3.py):
   every sixth layer (by default) attends over everything with the global base;
 - the attention scale is 1/sqrt(query_pre_attn_scalar).
 Every numeric still goes through `margingate.kernels`, so an exact row's bits remain a function
-of its own tokens. The compiled whole-stack call covers the Llama layer only: Gemma runs layer
-by layer (the same kernels; only the Python dispatch differs).
+of its own tokens. bf16 forwards on our kernels run the whole stack in one compiled call
+(`decoder_stack` with `gemma`), bitwise this layer-by-layer path (tests/test_gemma3.py).
 """
 from __future__ import annotations
 
@@ -34,22 +34,11 @@ class Gemma3Model(LlamaModel):
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu"):
         super().__init__(config, state, device)
-        self._local_rotary = rotary.RotaryTable(config.head_dim, config.rope_local_theta)
         self._embed_scale = math.sqrt(config.hidden_size)
-
-    def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
-        return False
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
         h = layers.embed(tokens, W.embed, dtype)
         return h * torch.tensor(self._embed_scale, dtype=dtype)  # one rounded product per element
-
-    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        tables = {0: self._rotary.lookup(positions, dtype)}
-        if any(self.config.layer_windows):
-            local = self._local_rotary.lookup(positions, dtype)
-            tables.update({w: local for w in self.config.layer_windows if w})
-        return [tables[w] for w in self.config.layer_windows]
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,
@@ -65,7 +54,7 @@ class Gemma3Model(LlamaModel):
         q = rotary.rotate(norm(q.reshape(n, cfg.num_heads, cfg.head_dim), L.q_norm), *rope)
         k = rotary.rotate(norm(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), L.k_norm), *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale, cfg.layer_windows[li])
+        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale, cfg.window(li))
         h = h + norm(ops.linear(attn.reshape(n, -1), L.o_proj), L.post_attention_layernorm)
         x = norm(h, L.pre_feedforward_layernorm)
         return h + norm(ops.mlp(x, L.gate_up, L.down_proj, gelu=True), L.post_feedforward_layernorm)

@@ -16,8 +16,6 @@ The weights come from an explicit name map (`weights.py`).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..kernels import invariant as invariant_kernels
@@ -41,6 +39,9 @@ class LlamaModel:
         source = getattr(state, "source", "the given state dict")
         self._weights = {torch.bfloat16: build(config, state, self.device, source)}
         self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
+        # the sliding-window layers' own RoPE base (Gemma 3)
+        self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
+                              if any(config.layer_windows) else None)
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
         self._stack_weights: list[torch.Tensor] | None = None
 
@@ -64,8 +65,7 @@ class LlamaModel:
         h = self._embed(tokens, W, dtype)
         rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY)
         if self._fusable(ops, dtype, kv):
-            cos, sin = self._rotary.lookup(positions, dtype)
-            h = self._stack(h, W, cos, sin, kv, positions, rows)
+            h = self._stack(h, W, kv, positions, rows)
         else:
             ropes = self._ropes(positions, dtype)
             for li, L in enumerate(W.layers):
@@ -77,26 +77,36 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
         return layers.embed(tokens, W.embed, dtype)
 
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, tuple]:
+        """cos/sin [N, 1, D] for these positions: the full-attention layers' and the sliding layers'."""
+        full = self._rotary.lookup(positions, dtype)
+        return full, (self._local_rotary.lookup(positions, dtype) if self._local_rotary else full)
+
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cos/sin for these positions (one table for every layer here)."""
-        return [self._rotary.lookup(positions, dtype)] * self.config.num_layers
+        """Each layer's cos/sin for these positions."""
+        full, local = self._rope_tables(positions, dtype)
+        return [local if self.config.window(i) else full for i in range(self.config.num_layers)]
 
     def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
         """The compiled stack covers our kernels with bf16 activations and cache: every forward
         but the library's and LayerCast's fp32 ones."""
         return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
 
-    def _stack(self, h: torch.Tensor, W: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
-               positions: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
+    def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
+               rows: AttentionRows) -> torch.Tensor:
         if self._stack_weights is None:  # the bf16 weights, flattened once in the kernel's order
             none = torch.empty(0, dtype=torch.bfloat16)
             self._stack_weights = [t if t is not None else none for L in W.layers for t in (
                 L.input_layernorm, L.qkv, L.qkv_bias, L.o_proj, L.o_proj_bias, L.post_attention_layernorm,
-                L.gate_up, L.down_proj)]
+                L.gate_up, L.down_proj, L.q_norm, L.k_norm, L.pre_feedforward_layernorm,
+                L.post_feedforward_layernorm)]
         cfg = self.config
+        (cos, sin), (cos_local, sin_local) = self._rope_tables(positions, torch.bfloat16)
         return invariant_kernels.decoder_stack(
             h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, positions, rows.aligns,
-            cfg.num_heads, cfg.num_kv_heads, cfg.rms_eps, 1.0 / math.sqrt(cfg.head_dim))
+            cfg.num_heads, cfg.num_kv_heads, cfg.rms_eps, cfg.attention_scale,
+            [cfg.window(i) for i in range(cfg.num_layers)], (cos_local[:, 0], sin_local[:, 0]),
+            self.unit_offset_norms)
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,

@@ -743,23 +743,32 @@ std::vector<std::pair<std::string, double>> stack_profile(bool on) {
   return out;
 }
 
-constexpr int kPerLayer = 8;
-constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack  // ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down
+// Per layer: ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, then Gemma's q_norm, k_norm,
+// pre_ffn_norm, post_ffn_norm (empty tensors for the Llama family).
+constexpr int kPerLayer = 12;
+constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
 // h [N, hidden] bf16, updated in place through every layer. cos, sin [N, D] bf16 (the rows'
-// positions); caches [layers, S, Hkv, L, D] bf16; weights: kPerLayer tensors per layer.
+// positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D]
+// bf16; weights: kPerLayer tensors per layer; windows: per layer, 0 or its sliding window.
+// `gemma`: Gemma 3's layer (models/gemma3.py): (1 + w) norms, q/k norms before RoPE, the
+// attention and MLP outputs normed before their residual adds (ln2 is the post-attention norm,
+// the MLP's input norm is pre_ffn_norm), GELU-tanh.
 void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos,
-                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& sin, const at::Tensor& cos_local, const at::Tensor& sin_local,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads, double eps,
-                   double scale) {
+                   double scale, const std::vector<int64_t>& windows, bool gemma) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
               "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
   TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
-              "decoder_stack: 8 tensors per layer, one cache layer each");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16, "decoder_stack: cos, sin [N, D] bf16");
+              "decoder_stack: 12 tensors per layer, one cache layer each");
+  for (const at::Tensor* t : {&cos, &sin, &cos_local, &sin_local})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
+                "decoder_stack: cos, sin (global and local) [N, D] bf16");
+  TORCH_CHECK(int64_t(windows.size()) == k_cache.size(0), "decoder_stack: one window per layer");
   const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
   const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
   TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == n && cos.size(1) == d, "decoder_stack: shapes");
@@ -773,21 +782,31 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
   at::Tensor q = at::empty({n, heads, d}, h.options());
   for (int64_t li = 0; li < k_cache.size(0); ++li) {
     const at::Tensor* W = &weights[li * kPerLayer];
-    at::Tensor x, qkv, attn, y, gu, act;
-    { Phase p{0}; x = rmsnorm(h, W[0], eps, false); }
+    const int64_t window = windows[li];
+    at::Tensor x, qkv, attn, y, gu, act, qn, kn;
+    { Phase p{0}; x = rmsnorm(h, W[0], eps, gemma); }
     { Phase p{1}; qkv = linear(x, W[1], maybe(W[2]), false); }
+    if (gemma) {  // q and k normed per head before RoPE
+      Phase p{0};
+      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[8], eps, true);
+      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[9], eps, true);
+    }
     {
       Phase p{2};
       const bf16* qkvp = qkv.data_ptr<bf16>();
       bf16* kl = k_cache.data_ptr<bf16>() + li * layer_stride;
       bf16* vl = v_cache.data_ptr<bf16>() + li * layer_stride;
+      const bf16* cos_p = (window ? cos_local : cos).data_ptr<bf16>();
+      const bf16* sin_p = (window ? sin_local : sin).data_ptr<bf16>();
       at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {  // q rotated; k rotated and v copied into the cache
           const bf16* row = qkvp + r * (qs + 2 * kvs);
-          const bf16 *cs = cos.data_ptr<bf16>() + r * d, *sn = sin.data_ptr<bf16>() + r * d;
-          rope_row(row, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
+          const bf16* q_in = gemma ? qn.data_ptr<bf16>() + r * qs : row;
+          const bf16* k_in = gemma ? kn.data_ptr<bf16>() + r * kvs : row + qs;
+          const bf16 *cs = cos_p + r * d, *sn = sin_p + r * d;
+          rope_row(q_in, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
           alignas(64) bf16 k_rot[kMaxKV];
-          rope_row(row + qs, cs, sn, kv_heads, d, k_rot);
+          rope_row(k_in, cs, sn, kv_heads, d, k_rot);
           for (int64_t g = 0; g < kv_heads; ++g) {
             const int64_t off = ((sp[r] * kv_heads + g) * lmax + pp[r]) * d;
             std::memcpy(kl + off, k_rot + g * d, d * sizeof(bf16));
@@ -796,13 +815,15 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
         }
       });
     }
-    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, 0); }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[3], maybe(W[4]), false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[5], eps, true); }
     { Phase p{4}; add_into(h, y); }
-    { Phase p{0}; x = rmsnorm(h, W[5], eps, false); }
+    { Phase p{0}; x = rmsnorm(h, gemma ? W[10] : W[5], eps, gemma); }
     { Phase p{1}; gu = linear(x, W[6], c10::nullopt, false); }
-    { Phase p{4}; act = silu_mul(gu); }
+    { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
     { Phase p{1}; y = linear(act, W[7], c10::nullopt, false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[11], eps, true); }
     { Phase p{4}; add_into(h, y); }
   }
 }
