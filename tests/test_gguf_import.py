@@ -232,3 +232,17 @@ def test_incomplete_gguf_is_refused_by_name(tmp_path, monkeypatch, cache):
     monkeypatch.setattr(named, "package_dir", lambda package: dirs.get(package))
     with pytest.raises(loader.ModelNotFoundError, match="'dsr1-qwen-7b': its 2 package file.* not the whole model"):
         loader.resolve_model_dir("dsr1-qwen-7b")
+
+
+def test_processes_converting_one_model_take_turns(tmp_path, cache):
+    """Three loaders asking for the same unconverted GGUF at once: one converts, the others wait for
+    its lock and find the folder done (unlocked, they wrote the same files at once and one of them
+    could delete what another had just moved in)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _write_gguf(_source_model("qwen2"), "qwen2", gguf.GGMLQuantizationType.F16, [tmp_path / "shared.gguf"])
+    with ThreadPoolExecutor(3) as pool:
+        folders = set(pool.map(lambda _: loader.resolve_model_dir(str(tmp_path / "shared.gguf")), range(3)))
+    [folder] = folders
+    assert loader.load_config(folder).architecture == "Qwen2ForCausalLM"
+    assert set(loader.load_state_dict(folder)) == set(_source_model("qwen2").state_dict())

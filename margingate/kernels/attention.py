@@ -34,7 +34,8 @@ class AttentionRows:
     With our kernel every row goes in one call: exact rows lay their key chunks from position
     0, batched rows align theirs to the batch's longest row (`aligns`, as a padded batched
     kernel walks them). With `library_kernels` the batched rows instead share one padded SDPA
-    call, and only then are its gather, mask and row split built."""
+    call, and only then are its gather and row split built (and its key mask, once per sliding
+    window, on first use)."""
 
     def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor,
                  library_kernels: bool = False):
@@ -56,13 +57,13 @@ class AttentionRows:
         consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
         gather = None if consecutive else torch.tensor(rs, device=dev)
         self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax)
-        self._batched_lengths = lengths
+        self._batched_lengths, self._lmax = lengths, lmax
         self._masks: dict[int, torch.Tensor | None] = {}
 
     def mask(self, window: int) -> torch.Tensor | None:
         """The padded SDPA call's key mask for layers with this sliding window (0: none), built once."""
         if window not in self._masks:
-            self._masks[window] = library.length_mask(self._batched_lengths, self.batched[-1], window)
+            self._masks[window] = library.length_mask(self._batched_lengths, self._lmax, window)
         return self._masks[window]
 
 

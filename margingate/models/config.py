@@ -9,6 +9,8 @@ from dataclasses import fields as dataclass_fields
 
 from .weights import ARCHITECTURES
 
+GEMMA_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -79,9 +81,10 @@ class ModelConfig:
         left out, as it was before it became a field: the fingerprints of existing models stay."""
         fields = asdict(self)
         del fields["architecture"]
-        for f in dataclass_fields(self)[-3:]:  # Gemma's, absent from the Llama family's fingerprints
-            if fields[f.name] == f.default:
-                del fields[f.name]
+        defaults = {f.name: f.default for f in dataclass_fields(self)}
+        for name in GEMMA_FIELDS:  # absent from the Llama family's fingerprints, as before they existed
+            if fields[name] == defaults[name]:
+                del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

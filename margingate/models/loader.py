@@ -9,6 +9,8 @@ refused before it is converted or loaded.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -40,8 +42,9 @@ def resolve_model_dir(model: str) -> Path:
     """Return a HF-style folder for `model`: a named model, a GGUF file or a local folder."""
     if model in NAMED:
         folder = cache_root() / model
-        if not _converted(folder):
-            _convert(gguf_files(model, cache_root() / "gguf"), folder)
+        with _converting(folder):
+            if not _converted(folder):
+                _convert(gguf_files(model, cache_root() / "gguf"), folder)
         return folder
     path = Path(model).expanduser()
     if not path.exists():
@@ -57,8 +60,9 @@ def resolve_model_dir(model: str) -> Path:
         key = hashlib.sha256(repr([(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, st)])
                              .encode()).hexdigest()[:12]
         folder = cache_root() / "gguf" / f"{path.stem}-{key}"
-        if not _converted(folder):
-            _convert(parts, folder)
+        with _converting(folder):
+            if not _converted(folder):
+                _convert(parts, folder)
         return folder
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"model folder {path} has no config.json")
@@ -82,6 +86,19 @@ def split_parts(path: Path) -> list[Path]:
     if missing:
         raise ModelNotFoundError(f"split GGUF {path} is missing its part(s) {', '.join(missing)}")
     return parts
+
+
+@contextlib.contextmanager
+def _converting(folder: Path):
+    """Holds `folder`'s lock: processes that need the same model convert it one at a time (the
+    others wait, then find it done) instead of writing the same files at once."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _converted(folder: Path) -> bool:
