@@ -122,3 +122,25 @@ def test_empty_file(tmp_path, content):
     f.write_text(content, encoding="utf-8")
     with pytest.raises(PromptFileError, match="no prompts"):
         load_prompts_file(f)
+
+
+# --- encoding ----------------------------------------------------------------------
+
+
+def test_a_base_model_continues_the_messages_as_text(model_dir, tmp_path):
+    """A tokenizer without a chat template (a base model's GGUF carries none) encodes chat prompts
+    as the text of their messages, one per paragraph, framed as raw text is; with the template the
+    same prompt is a chat turn."""
+    import shutil
+
+    from margingate.models.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # everything but chat_template.jinja
+        shutil.copy(model_dir / name, tmp_path / name)
+    base, chat = Tokenizer(tmp_path), Tokenizer(model_dir)
+    assert not base.has_chat_template and chat.has_chat_template
+    prompt = parse_prompt_record({"messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Name a prime."}]}, "t:1")
+    assert base.encode_prompt(prompt) == base.encode("Be brief.\n\nName a prime.")
+    assert chat.encode_prompt(prompt) != base.encode_prompt(prompt)
+    assert base.encode_prompt(parse_prompt_record({"text": "Name a prime."}, "t:2")) == base.encode("Name a prime.")
