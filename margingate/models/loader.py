@@ -92,8 +92,9 @@ def split_parts(path: Path) -> list[Path]:
 def _converting(folder: Path):
     """Holds `folder`'s lock: processes that need the same model convert it one at a time (the
     others wait, then find it done) instead of writing the same files at once."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+    locks = cache_root() / "locks"  # beside the models, not among their files
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
