@@ -3,7 +3,6 @@ rows over exactly their own prefix; batched decode rows as a padded batched kern
 them (our kernel with chunks aligned to the batch, or the library's padded SDPA call)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -68,12 +67,11 @@ class AttentionRows:
 
 
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype,
-           scale: float | None = None, window: int = 0) -> torch.Tensor:
-    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D]; scale 1/sqrt(D)
-    unless given; `window` > 0: each row sees only its last `window` keys (sliding-window layers).
-    Rows built for the library kernels send their batched rows through one padded SDPA call,
-    reading the cache in `dtype`."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+           scale: float, window: int = 0) -> torch.Tensor:
+    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D], scores times
+    `scale` (the model config's `attention_scale`); `window` > 0: each row sees only its last
+    `window` keys (sliding-window layers). Rows built for the library kernels send their batched
+    rows through one padded SDPA call, reading the cache in `dtype`."""
     if rows.batched is None:
         return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns, window)
     out = torch.empty_like(q)

@@ -119,7 +119,7 @@ class LlamaModel:
         q = rotary.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), *rope)
         k = rotary.rotate(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype)
+        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale)
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
         return h + ops.mlp(x, L.gate_up, L.down_proj)
