@@ -3,8 +3,8 @@
 Row-independence is the determinism contract at its root: a row's result must be bitwise
 the same alone, among other rows, at any place among them, at any torch thread count.
 Every check runs at 1, 2 and 4 threads (4 oversubscribes a 2-core machine), with row
-counts just below, at and above the kernels' tile sizes (4-row tiles, 12-column blocks,
-32-key attention chunks), on the embedded model's own shapes.
+counts just below, at and above the kernels' tile sizes (4- and 16-row tiles, 16-column panels,
+32-k blocks, 32-key attention chunks), on the embedded model's own shapes.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from margingate.kernels import invariant as K
 from margingate.kernels import library
+from margingate.kernels.packing import pack
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33)
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "down_proj": (576, 1536), "odd": (29, 70)}
@@ -42,6 +43,30 @@ def assert_rows_independent(fn, x: torch.Tensor, alone: torch.Tensor) -> None:
 
 
 # --- linear ------------------------------------------------------------------------------
+# The order (csrc/contract.h, 1) is AMX's: per block of 32 k an even and an odd FMA chain from +0,
+# their sum added to the accumulator. Every path the CPU has must give the scalar reference's bits.
+
+PATH_SKIPS = {
+    "amx": "this CPU has no AMX-BF16 tiles (amx_tile, amx_bf16 in lscpu) or the OS refused the tile state: "
+           "the AMX path cannot run here (it runs on Sapphire Rapids and later Xeons)",
+    "avx512": "this CPU has no AVX-512 (avx512f): the AVX-512 path cannot run here",
+    "avx2": "this CPU has no AVX2 + FMA",
+}
+
+
+@pytest.fixture(params=list(PATH_SKIPS), ids=lambda p: f"path-{p}")
+def path(request):
+    """Each linear path in turn; one the CPU lacks skips, saying why."""
+    if request.param not in K.linear_paths():
+        pytest.skip(PATH_SKIPS[request.param])
+    before = K.linear_path()
+    K.use_path(request.param)
+    yield request.param
+    K.use_path(before)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -50,7 +75,7 @@ def test_linear_rows_independent(name, dtype, threads):
     """x @ W.T + b: every row alone equals that row inside 1..33-row calls, bitwise (bf16 and
     fp32 activations, with a bias, odd shapes included)."""
     n_out, k = SHAPES[name]
-    w, b = randn(n_out, k, seed=1, scale=0.05), randn(n_out, seed=2)
+    w, b = pack(randn(n_out, k, seed=1, scale=0.05)), randn(n_out, seed=2)
     x = randn(40, k, seed=3, dtype=dtype)
     alone = torch.cat([K.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
     assert alone.dtype == dtype
@@ -58,9 +83,9 @@ def test_linear_rows_independent(name, dtype, threads):
 
 
 def test_linear_lm_head_rows_independent(llm, threads):
-    """The largest shape (lm_head, 49152 x 576) on the model's own weights, without bias."""
-    w = llm.model.weights(torch.bfloat16).lm_head
-    x = randn(9, w.shape[1], seed=4)
+    """The largest shape (lm_head, 49152 x 576) on the model's own packed weights, without bias."""
+    w = llm.model.packed_weights.lm_head
+    x = randn(9, w.k, seed=4)
     alone = torch.cat([K.linear(x[i:i + 1], w) for i in range(9)])
     for n in (2, 4, 5, 8, 9):
         assert torch.equal(K.linear(x[:n], w), alone[:n]) and torch.equal(K.linear(x[9 - n:], w), alone[9 - n:])
@@ -72,57 +97,100 @@ def test_linear_is_correct(dtype):
     w, b = randn(100, 1540, seed=5, scale=0.05), randn(100, seed=6)
     x = randn(6, 1540, seed=7, dtype=dtype)
     exact = x.double() @ w.double().T + b.double()
-    got = K.linear(x, w, b).double()
+    got = K.linear(x, pack(w), b).double()
     tol = 1e-4 if dtype == torch.float32 else 2 ** -7  # bf16 output: one rounding, relative
     assert ((got - exact).abs() <= tol * exact.abs().clamp_min(1.0)).all()
 
 
-def pairs_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The bf16 linear's documented order, step by step in fp32 (csrc/invariant.cpp): k padded to
-    32; per chunk, lane l adds x[2l+1] * w[2l+1], then x[2l] * w[2l] (each product of two bf16 is
-    exact in fp32, so every step is one rounding, as an FMA); then lanes l and l + 8 are added and
-    the 8 sums reduced as (0..3 + 4..7), then pairs, then the last two. Result rounded to bf16."""
+def amx_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The order as csrc/contract.h states it, written with PyTorch's fp32 ops, outside our C++: k
+    padded to 32; per block, e and o start at 0 and take the even / odd products in ascending order
+    (a product of two bf16 is exact in fp32, so `+` rounds once, as an FMA); acc = acc + (e + o).
+    For inputs whose partial sums stay normal (no flush to zero to model)."""
     m, k = x.shape
     kp = -(-k // 32) * 32
-    xp = torch.zeros(m, kp, dtype=torch.float32)
-    wp = torch.zeros(w.shape[0], kp, dtype=torch.float32)
+    xp, wp = torch.zeros(m, kp), torch.zeros(w.shape[0], kp)
     xp[:, :k], wp[:, :k] = x.float(), w.float()
     xs, ws = xp.view(m, 1, kp // 32, 16, 2), wp.view(1, -1, kp // 32, 16, 2)
-    acc = torch.zeros(m, w.shape[0], 16, dtype=torch.float32)
-    for c in range(kp // 32):
-        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]  # exact product, one rounding
-        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
-    s8 = acc[..., :8] + acc[..., 8:]
-    s4 = s8[..., :4] + s8[..., 4:]
-    s2 = s4[..., :2] + s4[..., 2:]
-    return (s2[..., 0] + s2[..., 1]).to(torch.bfloat16)
+    acc = torch.zeros(m, w.shape[0])
+    for blk in range(kp // 32):
+        e, o = torch.zeros_like(acc), torch.zeros_like(acc)
+        for p in range(16):
+            e = e + xs[:, :, blk, p, 0] * ws[:, :, blk, p, 0]
+            o = o + xs[:, :, blk, p, 1] * ws[:, :, blk, p, 1]
+        acc = acc + (e + o)
+    return acc.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("k", [64, 70, 576])
-def test_bf16_linear_follows_its_documented_order(k):
-    """Bitwise what the documented order gives, on this CPU whichever path it takes: the order is
-    a specification, so every CPU with AVX2 and FMA computes the same bits."""
+def test_bf16_linear_follows_its_documented_order(k, path):
+    """Bitwise what the documented order gives, computed outside our C++, on every path this CPU
+    has: the order is a specification, so every x86 CPU computes the same bits."""
     w, x = randn(29, k, seed=10, scale=0.05), randn(5, k, seed=11)
-    assert torch.equal(K.linear(x, w).view(torch.int16), pairs_order_reference(x, w).view(torch.int16))
+    assert torch.equal(bits(K.linear(x, pack(w))), bits(amx_order_reference(x, w)))
 
 
-@pytest.mark.skipif(K.ops().linear_isa() != "avx512_bf16", reason="this CPU has no AVX512-BF16: one path only")
-@pytest.mark.parametrize("scale", [1.0, 1e-19, 1e12], ids=["normal", "denormal-products", "large"])
-def test_bf16_linear_avx512_bf16_equals_the_avx2_emulation(scale):
-    """Where vdpbf16ps exists the kernel uses it; its bits equal the AVX2 emulation's, denormal
-    flushing included, at every tile shape and reduction tail."""
-    ops = K.ops()
-    for (n, k) in [(960, 576), (29, 70), (13, 33), (50, 31)]:
-        w, b = randn(n, k, seed=12, scale=scale), randn(n, seed=13)
-        for m in (1, 2, 3, 4, 5, 9, 16):
-            x = randn(m, k, seed=14 + m)
-            native = K.linear(x, w, b)
-            ops.force_avx2(True)
-            try:
-                emulated = K.linear(x, w, b)
-            finally:
-                ops.force_avx2(False)
-            assert torch.equal(native.view(torch.int16), emulated.view(torch.int16)), (n, k, m)
+def edge_inputs(m: int, k: int, scale: float, seed: int) -> torch.Tensor:
+    """Random values with exact zeros of both signs and, at tiny scales, bf16 denormals among them."""
+    x = randn(m, k, seed=seed, scale=scale)
+    x.view(-1)[::7] = 0.0
+    x.view(-1)[3::11] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e-38, 1e18], ids=["normal", "denormal-products", "denormal-inputs",
+                                                                   "large"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_path_equals_the_scalar_reference(path, scale, dtype):
+    """Each path against the order one scalar FMA at a time (`linear_reference`), bitwise: tile edges
+    in M (AMX's 16-row tiles, the FMA paths' 4-row tiles), N (16-column panels, 32-column tiles) and
+    K (32-k blocks), with and without a bias; zeros of both signs; denormal products and inputs
+    (flushed to zero on every path); values near fp32's range."""
+    for (n, k) in [(16, 32), (17, 33), (33, 31), (48, 64), (29, 70), (96, 576)]:
+        w = pack(edge_inputs(n, k, scale, seed=n))
+        b = randn(n, seed=13, scale=scale)
+        for m in (1, 3, 4, 5, 15, 16, 17, 33):
+            x = edge_inputs(m, k, 1.0 if scale < 1 else scale, seed=m).to(dtype)
+            for bias in (None, b):
+                want = K.linear_reference(x, w, bias)
+                assert torch.equal(bits(K.linear(x, w, bias)), bits(want)), (path, n, k, m, bias is None)
+
+
+def test_the_paths_agree_on_the_model_shapes(llm):
+    """Every path this CPU has, against each other, on SmolLM2's own packed layer and head at 1-64 rows."""
+    L = llm.model.packed_weights.layers[0]
+    before, outs = K.linear_path(), {}
+    try:
+        for name in K.linear_paths():
+            K.use_path(name)
+            outs[name] = [K.linear(randn(m, w.k, seed=m), w) for w in (L.qkv, L.gate_up, L.down_proj,
+                                                                         llm.model.packed_weights.lm_head)
+                          for m in (1, 16, 64)]
+    finally:
+        K.use_path(before)
+    first = next(iter(outs.values()))
+    for name, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, first)), name
+
+
+def test_packing_keeps_every_value():
+    """Packed panels unpack to the matrix, and rows read from them (a tied embedding) are its rows."""
+    w = randn(37, 70, seed=20)
+    p = pack(w)
+    assert p.data.shape == (3, 48, 16, 2) and torch.equal(p.unpack(), w)
+    idx = torch.tensor([[0, 36], [17, 5]])
+    assert torch.equal(p.rows(idx), w[idx])
+
+
+def test_forcing_a_path_the_cpu_lacks_is_an_error():
+    """MARGINGATE_FORCE_ISA: an unknown path, or one this CPU cannot run, is refused by name."""
+    with pytest.raises(K.IsaError, match="'avx1' does not exist"):
+        K.use_path("avx1")
+    missing = [p for p in K.ISA_PATHS if p not in K.linear_paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    with pytest.raises(K.IsaError, match=f"'{missing[0]}' cannot run on this CPU"):
+        K.use_path(missing[0])
 
 
 # --- attention -----------------------------------------------------------------------------

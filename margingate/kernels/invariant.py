@@ -1,10 +1,15 @@
-"""The batch-invariant kernels (C++, `csrc/invariant.cpp`), built on first use and cached.
+"""The batch-invariant kernels (C++, `csrc/`), built on first use and cached.
 
 Every reduction here has an order that is a function of the row alone: not of
 the number of rows, the row's place among them, the torch thread count, or the
 call the row arrives in. The build is loud: a machine that cannot build or run
 these kernels gets an error naming what is missing, never a silent fallback to
-library kernels that would break the determinism contract.
+library kernels that would break the determinism contract. The orders are stated once, in
+`csrc/contract.h`.
+
+The linear runs on the fastest path the CPU has (AMX tiles, AVX-512 or AVX2 FMAs), all in the
+same order and so to the same bits; `MARGINGATE_FORCE_ISA=amx|avx512|avx2` forces one for
+audits, and a path the CPU cannot run is an error. Its weights are `packing.PackedWeight`s.
 """
 from __future__ import annotations
 
@@ -15,14 +20,22 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "invariant.cpp"
-# AVX2 + FMA intrinsics only, no -march=native: the same instructions on every x86 CPU
-# that has them. -ffp-contract=off: the compiler never fuses a mul and an add on its own.
+from .packing import PackedWeight
+
+_CSRC = Path(__file__).parent / "csrc"
+# Baseline AVX2 + FMA, no -march=native: the same instructions on every x86 CPU that has them;
+# linear_avx512.cpp and linear_amx.cpp raise their own target (a pragma), each in its own unit,
+# and run only where the CPU has it. -ffp-contract=off: the compiler never fuses a mul and an add.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+FORCE_ISA = "MARGINGATE_FORCE_ISA"
 
 
 class KernelBuildError(RuntimeError):
     """The invariant kernels could not be built or cannot run on this CPU."""
+
+
+class IsaError(KernelBuildError):
+    """MARGINGATE_FORCE_ISA names a path this CPU cannot run, or no path at all."""
 
 
 def build_dir() -> Path:
@@ -44,21 +57,40 @@ def ops():
     from torch.utils.cpp_extension import load
 
     try:
-        mod = load(name="margingate_invariant", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        mod = load(name="margingate_invariant", sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
+                   extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS,
                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
     except Exception as exc:  # compiler errors, missing headers
         raise KernelBuildError(f"building margingate's invariant kernels failed: {exc}") from exc
     if not mod.cpu_supported():
         raise KernelBuildError("margingate's invariant kernels need a CPU with AVX2 and FMA")
-    # The AVX2 emulation of vdpbf16ps even where the instruction exists: the same bits, slower;
-    # for auditing that claim end to end (`MARGINGATE_FORCE_AVX2=1 margingate check ...`).
-    mod.force_avx2(os.environ.get("MARGINGATE_FORCE_AVX2", "") == "1")
+    forced = os.environ.get(FORCE_ISA, "")
+    if forced:  # `MARGINGATE_FORCE_ISA=avx2 margingate check ...`: audit that every path gives the same bits
+        use_path(forced, mod)
     return mod
 
 
+def use_path(name: str, mod=None) -> None:
+    """Run the linear on path `name` (amx, avx512 or avx2) from now on; IsaError if this CPU cannot."""
+    mod = mod or ops()
+    if name not in mod.linear_paths():
+        raise IsaError(f"{FORCE_ISA}={name}: the linear path {name!r} "
+                       f"{'cannot run on this CPU' if name in ISA_PATHS else 'does not exist'}; "
+                       f"this CPU runs {', '.join(mod.linear_paths())} (paths: {', '.join(ISA_PATHS)})")
+    mod.set_linear_path(name)
+
+
+ISA_PATHS = ("amx", "avx512", "avx2")
+
+
 def linear_path() -> str:
-    """The bf16 linear's path on this CPU: "avx512_bf16" (the instruction) or "avx2" (its emulation)."""
-    return ops().linear_isa()
+    """The linear's path: amx, avx512 or avx2 (fp32 activations never run on AMX: the best FMA path)."""
+    return ops().linear_path()
+
+
+def linear_paths() -> list[str]:
+    """The paths this CPU can run, fastest first."""
+    return list(ops().linear_paths())
 
 
 def _has_ninja_module() -> bool:
@@ -70,10 +102,15 @@ def _has_ninja_module() -> bool:
     return True
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b for x [M, K] (bf16 or fp32), w [N, K] bf16; fp32 accumulation, result in x's dtype.
-    With fp32 x this is the fp32 product with the bf16 weights upcast (exactly)."""
-    return ops().linear(x.contiguous(), w, b, x.dtype == torch.float32)
+def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + b for x [M, K] (bf16 or fp32), W packed; fp32 accumulation in the contract's order,
+    result in x's dtype. With fp32 x the products use the bf16 weights upcast (exactly)."""
+    return ops().linear(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
+
+
+def linear_reference(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` one scalar FMA at a time, as csrc/contract.h states the order: what every path equals."""
+    return ops().linear_reference(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -101,18 +138,18 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  aligns: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float,
+                  aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,
                   windows: list[int] | None = None, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                   gemma: bool = False) -> torch.Tensor:
     """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
     `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
     [layers, S, Hkv, L, D]. `weights`: per layer ln1, qkv, qkv bias, o, o bias, ln2, gate_up, down,
-    q_norm, k_norm, pre-FFN norm, post-FFN norm (an empty tensor: none). `windows`: each layer's
-    sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer."""
+    q_norm, k_norm, pre-FFN norm, post-FFN norm (an empty tensor: none; the four matrices packed).
+    `windows`: each layer's sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer."""
     cos_local, sin_local = local_rope if local_rope is not None else (cos, sin)
     ops().decoder_stack(h, weights, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
-                        sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads, eps,
-                        scale, windows or [0] * k_cache.shape[0], gemma)
+                        sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads,
+                        intermediate, eps, scale, windows or [0] * k_cache.shape[0], gemma)
     return h
 
 

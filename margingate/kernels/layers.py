@@ -1,8 +1,9 @@
 """The model's layers as numerics, through one of the two kernel sets.
 
 A forward picks its set once (`kernel_set`): `INVARIANT` runs every Linear, norm and
-activation through our compiled kernels over bf16 weights, whatever the activations' dtype;
-`LIBRARY` through PyTorch's ops, with the weights in the activations' dtype. The op order
+activation through our compiled kernels over bf16 weights packed at load (`packing.py`),
+whatever the activations' dtype; `LIBRARY` through PyTorch's ops, with plain weights in the
+activations' dtype. The op order
 of each layer (the MLP, the final norm and head) is fixed here, not in the model.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import invariant, library
+from .packing import PackedWeight
 
 Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = None) -> [M, N]
 
@@ -25,10 +27,7 @@ class KernelSet:
     rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, unit_offset=False)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
-    bf16_weights: bool  # True: the weights stay bf16 for any activation dtype
-
-    def weight_dtype(self, activations: torch.dtype) -> torch.dtype:
-        return torch.bfloat16 if self.bf16_weights else activations
+    packed: bool  # True: the model's packed bf16 weights, for any activation dtype
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""
@@ -42,15 +41,17 @@ class KernelSet:
 
 
 INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,
-                      bf16_weights=True)
+                      packed=True)
 LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, library.gelu_tanh_mul,
-                    bf16_weights=False)
+                    packed=False)
 
 
 def kernel_set(use_invariant: bool) -> KernelSet:
     return INVARIANT if use_invariant else LIBRARY
 
 
-def embed(tokens: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the embedding table, cast to the activations' dtype (exact lookups)."""
-    return F.embedding(tokens, table).to(dtype)
+def embed(tokens: torch.Tensor, table: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table (packed when it is the tied head), cast to the activations'
+    dtype (exact lookups)."""
+    rows = table.rows(tokens) if isinstance(table, PackedWeight) else F.embedding(tokens, table)
+    return rows.to(dtype)

@@ -21,6 +21,7 @@ import torch
 from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
+from ..kernels.packing import PackedWeight
 from ..kv_cache import KVCache
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights, build
@@ -37,7 +38,9 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         source = getattr(state, "source", "the given state dict")
-        self._weights = {torch.bfloat16: build(config, state, self.device, source)}
+        # One copy of the weights: packed for our kernels; the library's plain copies on first use.
+        self.packed_weights = build(config, state, self.device, source).packed()
+        self._library_weights: dict[torch.dtype, ModelWeights] = {}
         self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
         # the sliding-window layers' own RoPE base (Gemma 3)
         self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
@@ -46,10 +49,11 @@ class LlamaModel:
         self._stack_weights: list[torch.Tensor] | None = None
 
     def weights(self, dtype: torch.dtype) -> ModelWeights:
-        """Weights in `dtype`; an fp32 copy is made on first use (LayerCast's library fp32 path)."""
-        if dtype not in self._weights:
-            self._weights[dtype] = self._weights[torch.bfloat16].to(dtype)
-        return self._weights[dtype]
+        """The library kernels' weights, plain, in `dtype`: unpacked on first use (only `fast-library`
+        and LayerCast pay for this second copy)."""
+        if dtype not in self._library_weights:
+            self._library_weights[dtype] = self.packed_weights.to(dtype)
+        return self._library_weights[dtype]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -61,7 +65,7 @@ class LlamaModel:
         weights; `dtype` is the activations'). Otherwise the library's, with weights in `dtype`.
         """
         ops = layers.kernel_set(invariant)
-        W = self.weights(ops.weight_dtype(dtype))
+        W = self.packed_weights if ops.packed else self.weights(dtype)
         h = self._embed(tokens, W, dtype)
         rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY)
         if self._fusable(ops, dtype, kv):
@@ -94,9 +98,10 @@ class LlamaModel:
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
-        if self._stack_weights is None:  # the bf16 weights, flattened once in the kernel's order
+        if self._stack_weights is None:  # the weights, flattened once in the kernel's order
             none = torch.empty(0, dtype=torch.bfloat16)
-            self._stack_weights = [t if t is not None else none for L in W.layers for t in (
+            self._stack_weights = [none if t is None else t.data if isinstance(t, PackedWeight) else t
+                                   for L in W.layers for t in (
                 L.input_layernorm, L.qkv, L.qkv_bias, L.o_proj, L.o_proj_bias, L.post_attention_layernorm,
                 L.gate_up, L.down_proj, L.q_norm, L.k_norm, L.pre_feedforward_layernorm,
                 L.post_feedforward_layernorm)]
@@ -104,7 +109,7 @@ class LlamaModel:
         (cos, sin), (cos_local, sin_local) = self._rope_tables(positions, torch.bfloat16)
         return invariant_kernels.decoder_stack(
             h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, positions, rows.aligns,
-            cfg.num_heads, cfg.num_kv_heads, cfg.rms_eps, cfg.attention_scale,
+            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_eps, cfg.attention_scale,
             [cfg.window(i) for i in range(cfg.num_layers)], (cos_local[:, 0], sin_local[:, 0]),
             self.unit_offset_norms)
 

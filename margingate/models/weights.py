@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.packing import PackedWeight, pack
+
 if TYPE_CHECKING:
     from .config import ModelConfig
 
@@ -58,14 +60,18 @@ MODEL_MAP = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+Matrix = torch.Tensor | PackedWeight  # packed for our kernels, plain for the library's
+MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")
+
+
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor
+    qkv: Matrix
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Matrix
     o_proj_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up: Matrix
+    down_proj: Matrix
     input_layernorm: torch.Tensor
     post_attention_layernorm: torch.Tensor
     q_norm: torch.Tensor | None = None  # Gemma 3 (EXTRA_LAYER_MAP)
@@ -74,14 +80,19 @@ class LayerWeights:
     post_feedforward_layernorm: torch.Tensor | None = None
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
+        """Plain tensors in `dtype` (packed matrices unpacked)."""
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)})
+
+    def packed(self) -> LayerWeights:
+        """The matrices packed (the plain ones are dropped as each is packed: one copy at a time)."""
+        return replace(self, **{name: pack(getattr(self, name)) for name in MATRICES})
 
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor
+    embed: Matrix  # packed only when it is the (tied) head
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding matrix itself when the model ties them
+    lm_head: Matrix  # the embedding matrix itself when the model ties them
     layers: list[LayerWeights]
 
     @property
@@ -89,13 +100,26 @@ class ModelWeights:
         return self.lm_head is self.embed
 
     def to(self, dtype: torch.dtype) -> ModelWeights:
+        """Plain tensors in `dtype`: a new copy (the library kernels' weights)."""
         embed = _cast(self.embed, dtype)
         return ModelWeights(embed=embed, norm=_cast(self.norm, dtype),
                             lm_head=embed if self.tied else _cast(self.lm_head, dtype),
                             layers=[layer.to(dtype) for layer in self.layers])
 
+    def packed(self) -> ModelWeights:
+        """Our kernels' weights: every matrix packed once, each plain one released as it is packed,
+        so that a model holds one copy of its weights (this object's own references are cleared)."""
+        layers = []
+        while self.layers:
+            layers.append(self.layers.pop(0).packed())
+        lm_head = pack(self.lm_head)
+        return ModelWeights(embed=lm_head if self.tied else self.embed, norm=self.norm, lm_head=lm_head,
+                            layers=layers)
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+
+def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if isinstance(t, PackedWeight):
+        t = t.unpack()
     return None if t is None else t.to(dtype)
 
 

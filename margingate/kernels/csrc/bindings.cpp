@@ -1,0 +1,25 @@
+// The Python module: margingate.kernels.invariant loads it (built on first use, cached).
+#include "kernels.h"
+
+namespace {
+bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace mg;
+  m.def("linear", &linear, "x @ W^T + b, W packed bf16, in the contract's order on the current path");
+  m.def("linear_reference", &linear_reference, "the same, one scalar step at a time (tests, audits)");
+  m.def("linear_paths", &linear_paths, "the linear paths this CPU can run (amx, avx512, avx2), fastest first");
+  m.def("linear_path", &linear_path, "the linear path in use");
+  m.def("set_linear_path", &set_linear_path, "use this linear path (an error where the CPU cannot run it)");
+  m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
+  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
+  m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
+  m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
+  m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
+  m.attr("CHUNK") = kChunk;
+  m.attr("PANEL") = kPanel;
+  m.attr("BLOCK") = kBlock;
+}

@@ -1,0 +1,28 @@
+// The linear's instruction-set paths (contract.h, 1), one translation unit each, and what they
+// are handed. Plain declarations only: this header is included under every target.
+#pragma once
+
+#include <cstdint>
+
+namespace mg {
+
+// Rows [0, m) of x against panels [p0, p1) of the packed weights, summed into acc (fp32, zeroed
+// by the caller; row stride ldacc; column 0 is panel 0's first). FMA paths read xf (fp32 rows of
+// kp values); AMX reads xb (bf16 rows of kp values, m rounded up to 16 rows, the extra ones zero;
+// acc has as many rows).
+struct LinearTask {
+  const float* xf;
+  const uint16_t* xb;
+  int64_t m, kp;
+  const uint16_t* w;  // packed: [panels][kp / 2][16][2]
+  int64_t p0, p1;
+  float* acc;
+  int64_t ldacc;
+};
+
+void linear_avx2(const LinearTask& t);    // linear_avx2.cpp
+void linear_avx512(const LinearTask& t);  // linear_avx512.cpp
+void linear_amx(const LinearTask& t);     // linear_amx.cpp (bf16 x only)
+bool amx_granted();                       // asks the OS for the AMX tile state once; true if granted
+
+}  // namespace mg

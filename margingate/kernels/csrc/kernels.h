@@ -1,0 +1,64 @@
+// The kernels as tensor operations (the baseline translation units: AVX2 + FMA), and the tensor
+// helpers they share. Orders: contract.h.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "contract.h"
+
+namespace mg {
+
+using bf16 = at::BFloat16;
+
+// linear.cpp: y = x W^T + b with W packed (packing.py), n its output features; the contract's order
+// on the path chosen at load (AMX, AVX-512 or AVX2), or on the scalar reference.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  bool fp32_out);
+at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias, bool fp32_out);
+std::vector<std::string> linear_paths();  // the paths this CPU can run, fastest first
+std::string linear_path();                // the one in use
+void set_linear_path(const std::string& name);
+
+// attention.cpp
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
+                     int64_t window);
+
+// rowwise.cpp
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
+void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out);
+void add_into(at::Tensor& h, const at::Tensor& y);
+
+// stack.cpp
+void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns, int64_t heads,
+                   int64_t kv_heads, int64_t intermediate, double eps, double scale,
+                   const std::vector<int64_t>& windows, bool gemma);
+std::vector<std::pair<std::string, double>> stack_profile(bool on);
+
+namespace {
+
+inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+inline __m256 load8(const bf16* p) { return bf16x8(reinterpret_cast<const uint16_t*>(p)); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(bf16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v)); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline float rnd(float v) { return static_cast<float>(static_cast<bf16>(v)); }  // through bf16
+
+}  // namespace
+}  // namespace mg

@@ -1,0 +1,182 @@
+// The linear: checks, the path chosen at load, the activations laid out for it, the threads'
+// split (output panels, never k) and the epilogue (bias, rounding). The order: contract.h, 1.
+#include <ATen/Parallel.h>
+
+#include "isa.h"
+#include "kernels.h"
+
+namespace mg {
+namespace {
+
+enum class Path { kAvx2, kAvx512, kAmx };
+const char* const kPathNames[] = {"avx2", "avx512", "amx"};
+
+bool cpu_has(Path p) {
+  switch (p) {
+    case Path::kAmx: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                            __builtin_cpu_supports("avx512f") && amx_granted();
+    case Path::kAvx512: return __builtin_cpu_supports("avx512f");
+    default: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+}
+
+Path best_path() {
+  for (Path p : {Path::kAmx, Path::kAvx512}) if (cpu_has(p)) return p;
+  return Path::kAvx2;
+}
+
+Path& current() {  // resolved on first use, when the CPU's feature bits are certain to be read
+  static Path path = best_path();
+  return path;
+}
+
+void run_path(Path p, const LinearTask& t) {
+  switch (p) {
+    case Path::kAmx: linear_amx(t); break;
+    case Path::kAvx512: linear_avx512(t); break;
+    default: linear_avx2(t); break;
+  }
+}
+
+struct Shape {
+  int64_t m, k, kp, n, panels;
+};
+
+Shape check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool fp32_out) {
+  check_cpu(x, "x");
+  check_cpu(packed, "weight");
+  TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: x bf16 or fp32");
+  TORCH_CHECK((x.scalar_type() == at::kFloat) == fp32_out, "linear: the result has x's dtype");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
+              packed.size(3) == 2, "linear: weight must be packed bf16 [panels, K/2, 16, 2] (kernels.packing.pack)");
+  const int64_t k = x.size(1), kp = round_up(k, kBlock);
+  TORCH_CHECK(packed.size(1) * 2 == kp, "linear: x has ", k, " features, the packed weight ", packed.size(1) * 2);
+  TORCH_CHECK(n > (packed.size(0) - 1) * kPanel && n <= packed.size(0) * kPanel,
+              "linear: ", n, " outputs do not fit ", packed.size(0), " panels");
+  return {x.size(0), k, kp, n, packed.size(0)};
+}
+
+// x as the path reads it: fp32 rows of kp values (FMA paths, exact widening) or bf16 rows of kp
+// values (AMX), zero-padded in k and, for AMX, to a multiple of 16 rows.
+at::Tensor lay_out(const at::Tensor& x, const Shape& s, bool amx) {
+  const int64_t rows = amx ? round_up(s.m, 16) : s.m;
+  at::Tensor out = at::zeros({rows, s.kp}, x.options().dtype(amx ? at::kBFloat16 : at::kFloat));
+  out.slice(0, 0, s.m).slice(1, 0, s.k).copy_(x);
+  return out;
+}
+
+std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return {};
+  check_cpu(*bias, "bias");
+  TORCH_CHECK(bias->numel() == n, "linear: bias size");
+  at::Tensor b = bias->to(at::kFloat).contiguous();
+  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + n);
+}
+
+// Bias (fp32, after the sum), then the output rounding, for columns [c0, c1). Under FTZ | DAZ too.
+void epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t m,
+              int64_t c0, int64_t c1) {
+  const int64_t n = out.size(1);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* a = acc + i * ldacc;
+    if (out.scalar_type() == at::kFloat) {
+      float* o = out.data_ptr<float>() + i * n;
+      for (int64_t j = c0; j < c1; ++j) o[j] = bias.empty() ? a[j] : a[j] + bias[j];
+      continue;
+    }
+    bf16* o = out.data_ptr<bf16>() + i * n;
+    int64_t j = c0;
+    for (; j + 8 <= c1; j += 8) {
+      __m256 v = _mm256_loadu_ps(a + j);
+      if (!bias.empty()) v = _mm256_add_ps(v, _mm256_loadu_ps(&bias[j]));
+      store8(o + j, v);
+    }
+    for (; j < c1; ++j) o[j] = static_cast<bf16>(bias.empty() ? a[j] : a[j] + bias[j]);
+  }
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  bool fp32_out) {
+  const Shape s = check_linear(x, packed, n, fp32_out);
+  const std::vector<float> b = bias_fp32(bias, n);
+  // AMX computes bf16 x only; fp32 x takes the best FMA path (the same order).
+  const Path path = current() == Path::kAmx && fp32_out ? (cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2) : current();
+  const bool amx = path == Path::kAmx;
+  const at::Tensor xl = lay_out(x, s, amx);
+  const int64_t ldacc = s.panels * kPanel;
+  at::Tensor acc = at::empty({xl.size(0), ldacc}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({s.m, n}, x.options());
+  const LinearTask base{amx ? nullptr : xl.data_ptr<float>(), amx ? u16(xl) : nullptr, s.m, s.kp, u16(packed),
+                        0, 0, acc.data_ptr<float>(), ldacc};
+  // Grain: enough panels that a task is worth a thread, whatever m is.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, s.m * s.kp) / kPanel);
+  at::parallel_for(0, s.panels, grain, [&](int64_t p0, int64_t p1) {
+    FlushDenormals ftz;
+    for (int64_t i = 0; i < acc.size(0); ++i)
+      std::memset(acc.data_ptr<float>() + i * ldacc + p0 * kPanel, 0, (p1 - p0) * kPanel * sizeof(float));
+    LinearTask t = base;
+    t.p0 = p0, t.p1 = p1;
+    run_path(path, t);
+    epilogue(acc.data_ptr<float>(), ldacc, b, out, s.m, p0 * kPanel, std::min(p1 * kPanel, n));
+  });
+  return out;
+}
+
+// The contract's order one scalar step at a time (contract.h, 1): what every path must equal.
+// For tests and audits; slow.
+at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias, bool fp32_out) {
+  const Shape s = check_linear(x, packed, n, fp32_out);
+  const std::vector<float> b = bias_fp32(bias, n);
+  const at::Tensor xf = lay_out(x, s, false);
+  at::Tensor acc = at::zeros({s.m, n}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({s.m, n}, x.options());
+  FlushDenormals ftz;
+  auto fma = [](float a, float b, float c) {
+    return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+  };
+  auto add = [](float a, float b) { return _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(a), _mm_set_ss(b))); };
+  for (int64_t i = 0; i < s.m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float* xr = xf.data_ptr<float>() + i * s.kp;
+      const uint16_t* wc = u16(packed) + (j / kPanel) * s.kp * kPanel + (j % kPanel) * 2;  // pair 0 of column j
+      float a = 0.0f;
+      for (int64_t blk = 0; blk < s.kp / kBlock; ++blk) {
+        float e = 0.0f, o = 0.0f;
+        for (int64_t q = blk * 16; q < blk * 16 + 16; ++q) {
+          e = fma(xr[2 * q], bf16_value(wc[q * 2 * kPanel]), e);
+          o = fma(xr[2 * q + 1], bf16_value(wc[q * 2 * kPanel + 1]), o);
+        }
+        a = add(a, add(e, o));
+      }
+      acc.data_ptr<float>()[i * n + j] = a;
+    }
+  epilogue(acc.data_ptr<float>(), n, b, out, s.m, 0, n);
+  return out;
+}
+
+std::vector<std::string> linear_paths() {
+  std::vector<std::string> out;
+  for (Path p : {Path::kAmx, Path::kAvx512, Path::kAvx2})
+    if (cpu_has(p)) out.emplace_back(kPathNames[int(p)]);
+  return out;
+}
+
+std::string linear_path() { return kPathNames[int(current())]; }
+
+// For audits (MARGINGATE_FORCE_ISA) and tests; a path this CPU cannot run is an error.
+void set_linear_path(const std::string& name) {
+  for (Path p : {Path::kAmx, Path::kAvx512, Path::kAvx2}) {
+    if (name != kPathNames[int(p)]) continue;
+    TORCH_CHECK(cpu_has(p), "the linear path '", name, "' cannot run on this CPU (it runs: ",
+                c10::Join(", ", linear_paths()), ")");
+    current() = p;
+    return;
+  }
+  TORCH_CHECK(false, "unknown linear path '", name, "': amx, avx512 or avx2");
+}
+
+}  // namespace mg

@@ -1,0 +1,79 @@
+// The linear's reduction order (contract.h, 1) on FMA units: output columns in the vector lanes,
+// one broadcast activation per k, one packed weight pair per column vector: an outer product with
+// no horizontal sums. Written once for any vector width `V` (linear_avx2.cpp: 8 lanes,
+// linear_avx512.cpp: 16); each includes this file under its own target.
+//
+// V provides: T (the vector), kLanes, zero(), load(const float*), store(float*, T), bcast(const
+// float*), fma(a, b, c) = a * b + c, add(a, b), and pairs(w, even, odd): kLanes columns of one
+// packed pair, widened exactly to fp32 (the even element is the low half of each 32-bit lane).
+#pragma once
+
+#include "contract.h"
+#include "isa.h"
+
+namespace mg {
+namespace {
+
+// MR rows x NR column vectors. w[j]: column vector j at pair 0; a pair is 2 * kPanel bf16 further.
+// Every (row, column) has its own e, o and acc: MR and NR only decide which share registers.
+template <class V, int MR, int NR>
+void fma_tile(const float* x, int64_t kp, const uint16_t* const* w, float* acc, int64_t ldacc) {
+  using T = typename V::T;
+  for (int64_t b = 0; b < kp / kBlock; ++b) {
+    T e[MR][NR], o[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) e[i][j] = o[i][j] = V::zero();
+    for (int64_t q = b * (kBlock / 2); q < (b + 1) * (kBlock / 2); ++q) {  // the block's 16 pairs
+      T we[NR], wo[NR];
+      for (int j = 0; j < NR; ++j) V::pairs(w[j] + q * 2 * kPanel, we[j], wo[j]);
+      for (int i = 0; i < MR; ++i) {
+        const T xe = V::bcast(x + i * kp + 2 * q), xo = V::bcast(x + i * kp + 2 * q + 1);
+        for (int j = 0; j < NR; ++j) {
+          e[i][j] = V::fma(xe, we[j], e[i][j]);
+          o[i][j] = V::fma(xo, wo[j], o[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {  // acc = acc + (e + o)
+        float* a = acc + i * ldacc + j * V::kLanes;
+        V::store(a, V::add(V::load(a), V::add(e[i][j], o[i][j])));
+      }
+  }
+}
+
+// The last `left` (< R + 1) rows, one tile of exactly that many rows.
+template <class V, int R, int NR>
+void fma_tail_rows(const LinearTask& t, const uint16_t* const* w, int64_t i, int64_t col, int64_t left) {
+  if constexpr (R >= 1) {
+    if (left == R) fma_tile<V, R, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + col, t.ldacc);
+    else fma_tail_rows<V, R - 1, NR>(t, w, i, col, left);
+  }
+}
+
+// Columns [c, c + NR * kLanes) for every row, MR rows at a time.
+template <class V, int MR, int NR>
+void fma_rows(const LinearTask& t, int64_t c) {
+  const uint16_t* w[NR];
+  for (int j = 0; j < NR; ++j) {  // where column c + j * kLanes sits in its panel
+    const int64_t col = c + j * V::kLanes;
+    w[j] = t.w + (col / kPanel) * t.kp * kPanel + (col % kPanel) * 2;
+  }
+  int64_t i = 0;
+  for (; i + MR <= t.m; i += MR) fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + c, t.ldacc);
+  if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, c, t.m - i);
+}
+
+// The task's panels, NR column vectors at a time (a block of W's columns stays in cache while
+// the row tiles pass), then single vectors.
+template <class V, int MR, int NR>
+void fma_linear(const LinearTask& t) {
+  FlushDenormals ftz;
+  const int64_t c1 = t.p1 * kPanel;
+  int64_t c = t.p0 * kPanel;
+  for (; c + NR * V::kLanes <= c1; c += NR * V::kLanes) fma_rows<V, MR, NR>(t, c);
+  for (; c < c1; c += V::kLanes) fma_rows<V, MR, 1>(t, c);
+}
+
+}  // namespace
+}  // namespace mg

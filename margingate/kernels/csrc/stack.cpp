@@ -1,0 +1,131 @@
+// The decoder stack in one call (the layer of models/llama.py and models/gemma3.py).
+#include <ATen/Parallel.h>
+
+#include <chrono>
+
+#include "kernels.h"
+
+namespace mg {
+namespace {
+
+// models/llama.py's layer for a forward with bf16 activations and a bf16 cache (each row's
+// attention chunks aligned as `aligns` says, see attend_row): the same kernels in the same order, called from here
+// instead of ~14 Python dispatches per layer. RoPE and the residual adds round each op
+// to bf16 as PyTorch's elementwise bf16 ops do (compute in fp32, round to nearest even),
+// so every bit equals the Python path's (tests/test_kernels.py compares them).
+c10::optional<at::Tensor> maybe(const at::Tensor& t) {  // an empty tensor stands for "no bias"
+  return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// Where the stack's time goes, by phase, for the step profile (scripts/profile_step.py);
+// off unless asked for, and never part of any value.
+const char* const kPhaseNames[] = {"norms", "gemm", "rope, kv write", "attention", "residual, silu"};
+constexpr int kPhases = 5;
+bool g_profiling = false;
+double g_phase_ms[kPhases] = {};
+
+struct Phase {
+  int id;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~Phase() {
+    if (g_profiling) g_phase_ms[id] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// Per layer: ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, then Gemma's q_norm, k_norm,
+// pre_ffn_norm, post_ffn_norm (empty tensors for the Llama family). qkv, o, gate_up and down are
+// packed (packing.py).
+constexpr int kPerLayer = 12;
+constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
+
+}  // namespace
+
+// Turns the phase timers on or off; returns the milliseconds gathered since the last call.
+std::vector<std::pair<std::string, double>> stack_profile(bool on) {
+  std::vector<std::pair<std::string, double>> out;
+  for (int i = 0; i < kPhases; ++i) out.emplace_back(kPhaseNames[i], g_phase_ms[i]), g_phase_ms[i] = 0.0;
+  g_profiling = on;
+  return out;
+}
+
+// h [N, hidden] bf16, updated in place through every layer. cos, sin [N, D] bf16 (the rows'
+// positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D]
+// bf16; weights: kPerLayer tensors per layer; windows: per layer, 0 or its sliding window.
+// `gemma`: Gemma 3's layer (models/gemma3.py): (1 + w) norms, q/k norms before RoPE, the
+// attention and MLP outputs normed before their residual adds (ln2 is the post-attention norm,
+// the MLP's input norm is pre_ffn_norm), GELU-tanh.
+void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& cos_local, const at::Tensor& sin_local,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
+                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
+              "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
+  TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
+              "decoder_stack: 12 tensors per layer, one cache layer each");
+  for (const at::Tensor* t : {&cos, &sin, &cos_local, &sin_local})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
+                "decoder_stack: cos, sin (global and local) [N, D] bf16");
+  TORCH_CHECK(int64_t(windows.size()) == k_cache.size(0), "decoder_stack: one window per layer");
+  const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
+  const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
+  TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == n && cos.size(1) == d, "decoder_stack: shapes");
+  TORCH_CHECK(kvs <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < nslots && pp[r] >= 0 && pp[r] < lmax, "decoder_stack: slot or position out of range");
+  const at::Tensor lengths = ps + 1;
+  at::Tensor q = at::empty({n, heads, d}, h.options());
+  for (int64_t li = 0; li < k_cache.size(0); ++li) {
+    const at::Tensor* W = &weights[li * kPerLayer];
+    const int64_t window = windows[li];
+    at::Tensor x, qkv, attn, y, gu, act, qn, kn;
+    { Phase p{0}; x = rmsnorm(h, W[0], eps, gemma); }
+    { Phase p{1}; qkv = linear(x, W[1], qs + 2 * kvs, maybe(W[2]), false); }
+    if (gemma) {  // q and k normed per head before RoPE
+      Phase p{0};
+      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[8], eps, true);
+      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[9], eps, true);
+    }
+    {
+      Phase p{2};
+      const bf16* qkvp = qkv.data_ptr<bf16>();
+      bf16* kl = k_cache.data_ptr<bf16>() + li * layer_stride;
+      bf16* vl = v_cache.data_ptr<bf16>() + li * layer_stride;
+      const bf16* cos_p = (window ? cos_local : cos).data_ptr<bf16>();
+      const bf16* sin_p = (window ? sin_local : sin).data_ptr<bf16>();
+      at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {  // q rotated; k rotated and v copied into the cache
+          const bf16* row = qkvp + r * (qs + 2 * kvs);
+          const bf16* q_in = gemma ? qn.data_ptr<bf16>() + r * qs : row;
+          const bf16* k_in = gemma ? kn.data_ptr<bf16>() + r * kvs : row + qs;
+          const bf16 *cs = cos_p + r * d, *sn = sin_p + r * d;
+          rope_row(q_in, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
+          alignas(64) bf16 k_rot[kMaxKV];
+          rope_row(k_in, cs, sn, kv_heads, d, k_rot);
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            const int64_t off = ((sp[r] * kv_heads + g) * lmax + pp[r]) * d;
+            std::memcpy(kl + off, k_rot + g * d, d * sizeof(bf16));
+            std::memcpy(vl + off, row + qs + kvs + g * d, d * sizeof(bf16));
+          }
+        }
+      });
+    }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
+    { Phase p{1}; y = linear(attn.view({n, qs}), W[3], h.size(1), maybe(W[4]), false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[5], eps, true); }
+    { Phase p{4}; add_into(h, y); }
+    { Phase p{0}; x = rmsnorm(h, gemma ? W[10] : W[5], eps, gemma); }
+    { Phase p{1}; gu = linear(x, W[6], 2 * intermediate, c10::nullopt, false); }
+    { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
+    { Phase p{1}; y = linear(act, W[7], h.size(1), c10::nullopt, false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[11], eps, true); }
+    { Phase p{4}; add_into(h, y); }
+  }
+}
+
+}  // namespace mg
