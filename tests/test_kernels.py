@@ -49,6 +49,7 @@ def assert_rows_independent(fn, x: torch.Tensor, alone: torch.Tensor) -> None:
 PATH_SKIPS = {
     "amx": "this CPU has no AMX-BF16 tiles (amx_tile, amx_bf16 in lscpu) or the OS refused the tile state: "
            "the AMX path cannot run here (it runs on Sapphire Rapids and later Xeons)",
+    "avx512bf16": "this CPU has no AVX512-BF16 (avx512_bf16, avx512bw): the VDPBF16PS path cannot run here",
     "avx512": "this CPU has no AVX-512 (avx512f): the AVX-512 path cannot run here",
     "avx2": "this CPU has no AVX2 + FMA",
 }

@@ -1,7 +1,8 @@
-"""The same tokens at any thread count: fresh processes at 1, 2 and 4 torch threads (4
-oversubscribes a 2-core machine) decode one heterogeneous batch in which every request has
-another deterministic policy. Each must give, bitwise, the tokens of the request decoded
-alone by the reference in this (default-threads) process."""
+"""The same tokens at any thread count and on any linear path: fresh processes at 1, 2 and 4 torch
+threads (4 oversubscribes a 2-core machine), and at default threads with each linear path this CPU
+has forced (`MARGINGATE_FORCE_ISA`), decode one heterogeneous batch in which every request has
+another deterministic policy. Each must give, bitwise, the tokens of the request decoded alone by
+the reference in this (default-threads, default-path) process."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,10 @@ import sys
 
 import pytest
 from prompt_sets import SPREAD8 as PICKS
+
+from margingate.kernels.invariant import ISA_PATHS, linear_paths
+
+DEFAULT_PATH = linear_paths()[0]
 
 POLICIES = ("reference", "batch-invariant", "margin", "verify-all", "dvr")
 NEW_TOKENS = 32
@@ -30,8 +35,10 @@ print(json.dumps({"threads": llm.engine.num_threads, "tokens": [r.token_ids for 
 """
 
 
-def decode_in_fresh_process(threads: int) -> dict:
+def decode_in_fresh_process(threads: int, isa: str | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if isa:
+        env["MARGINGATE_FORCE_ISA"] = isa
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(threads), ",".join(POLICIES), json.dumps(PICKS),
                           str(NEW_TOKENS)], capture_output=True, text=True, env=env, timeout=600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -48,3 +55,13 @@ def test_same_tokens_at_any_thread_count(threads, alone):
     assert run["threads"] == threads
     for k, (got, want) in enumerate(zip(run["tokens"], alone)):
         assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) at {threads} threads"
+
+
+@pytest.mark.parametrize("isa", [p for p in ISA_PATHS if p != DEFAULT_PATH])
+def test_same_tokens_on_every_linear_path(isa, alone):
+    """The other linear paths, forced: the same tokens as the default path's. A path this CPU lacks skips."""
+    if isa not in linear_paths():
+        pytest.skip(f"this CPU cannot run the {isa} path (it runs {', '.join(linear_paths())})")
+    run = decode_in_fresh_process(os.cpu_count() or 1, isa)
+    for k, (got, want) in enumerate(zip(run["tokens"], alone)):
+        assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) on the {isa} path"

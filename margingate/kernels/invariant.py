@@ -7,9 +7,9 @@ these kernels gets an error naming what is missing, never a silent fallback to
 library kernels that would break the determinism contract. The orders are stated once, in
 `csrc/contract.h`.
 
-The linear runs on the fastest path the CPU has (AMX tiles, AVX-512 or AVX2 FMAs), all in the
-same order and so to the same bits; `MARGINGATE_FORCE_ISA=amx|avx512|avx2` forces one for
-audits, and a path the CPU cannot run is an error. Its weights are `packing.PackedWeight`s.
+The linear runs on the fastest path the CPU has (AMX tiles, AVX512-BF16 dot products, AVX-512
+or AVX2 FMAs), all in the same order and so to the same bits; `MARGINGATE_FORCE_ISA=amx|
+avx512bf16|avx512|avx2` forces one for audits, and a path the CPU cannot run is an error. Its weights are `packing.PackedWeight`s.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def ops():
 
 
 def use_path(name: str, mod=None) -> None:
-    """Run the linear on path `name` (amx, avx512 or avx2) from now on; IsaError if this CPU cannot."""
+    """Run the linear on path `name` (one of ISA_PATHS) from now on; IsaError if this CPU cannot."""
     mod = mod or ops()
     if name not in mod.linear_paths():
         raise IsaError(f"{FORCE_ISA}={name}: the linear path {name!r} "
@@ -80,11 +80,11 @@ def use_path(name: str, mod=None) -> None:
     mod.set_linear_path(name)
 
 
-ISA_PATHS = ("amx", "avx512", "avx2")
+ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")
 
 
 def linear_path() -> str:
-    """The linear's path: amx, avx512 or avx2 (fp32 activations never run on AMX: the best FMA path)."""
+    """The linear's path, one of ISA_PATHS (fp32 activations take the best FMA path: avx512 or avx2)."""
     return ops().linear_path()
 
 

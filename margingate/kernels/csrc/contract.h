@@ -43,6 +43,7 @@ namespace {
 constexpr int64_t kChunk = 32;  // attention key chunk (positions)
 constexpr int64_t kBlock = 32;  // linear: k per block (16 pairs, one AMX tile row of bf16)
 constexpr int64_t kPanel = 16;  // linear: output columns per packed weight panel
+constexpr int64_t kSliceBlocks = 8;  // linear: k blocks per cache slice (speed only: no bit depends on it)
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -7,9 +7,9 @@
 namespace mg {
 
 // Rows [0, m) of x against panels [p0, p1) of the packed weights, summed into acc (fp32, zeroed
-// by the caller; row stride ldacc; column 0 is panel 0's first). FMA paths read xf (fp32 rows of
-// kp values); AMX reads xb (bf16 rows of kp values, m rounded up to 16 rows, the extra ones zero;
-// acc has as many rows).
+// by the caller; row stride ldacc; column 0 is panel 0's first), under FTZ | DAZ set by the caller.
+// FMA paths read xf (fp32 rows of kp values); AMX reads xb (bf16 rows of kp values, m rounded up
+// to 16 rows, the extra ones zero; acc has as many rows); AVX512-BF16 reads xb regrouped by chain.
 struct LinearTask {
   const float* xf;
   const uint16_t* xb;
@@ -22,6 +22,7 @@ struct LinearTask {
 
 void linear_avx2(const LinearTask& t);    // linear_avx2.cpp
 void linear_avx512(const LinearTask& t);  // linear_avx512.cpp
+void linear_avx512bf16(const LinearTask& t);  // linear_avx512bf16.cpp (bf16 x only, xb regrouped)
 void linear_amx(const LinearTask& t);     // linear_amx.cpp (bf16 x only)
 bool amx_granted();                       // asks the OS for the AMX tile state once; true if granted
 

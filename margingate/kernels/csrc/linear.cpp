@@ -8,20 +8,22 @@
 namespace mg {
 namespace {
 
-enum class Path { kAvx2, kAvx512, kAmx };
-const char* const kPathNames[] = {"avx2", "avx512", "amx"};
+enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx };  // slowest to fastest
+const char* const kPathNames[] = {"avx2", "avx512", "avx512bf16", "amx"};
+constexpr Path kFastestFirst[] = {Path::kAmx, Path::kAvx512Bf16, Path::kAvx512, Path::kAvx2};
 
 bool cpu_has(Path p) {
   switch (p) {
     case Path::kAmx: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                             __builtin_cpu_supports("avx512f") && amx_granted();
+    case Path::kAvx512Bf16: return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
     case Path::kAvx512: return __builtin_cpu_supports("avx512f");
     default: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }
 }
 
 Path best_path() {
-  for (Path p : {Path::kAmx, Path::kAvx512}) if (cpu_has(p)) return p;
+  for (Path p : kFastestFirst) if (cpu_has(p)) return p;
   return Path::kAvx2;
 }
 
@@ -33,6 +35,7 @@ Path& current() {  // resolved on first use, when the CPU's feature bits are cer
 void run_path(Path p, const LinearTask& t) {
   switch (p) {
     case Path::kAmx: linear_amx(t); break;
+    case Path::kAvx512Bf16: linear_avx512bf16(t); break;
     case Path::kAvx512: linear_avx512(t); break;
     default: linear_avx2(t); break;
   }
@@ -57,12 +60,40 @@ Shape check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, boo
   return {x.size(0), k, kp, n, packed.size(0)};
 }
 
-// x as the path reads it: fp32 rows of kp values (FMA paths, exact widening) or bf16 rows of kp
-// values (AMX), zero-padded in k and, for AMX, to a multiple of 16 rows.
-at::Tensor lay_out(const at::Tensor& x, const Shape& s, bool amx) {
-  const int64_t rows = amx ? round_up(s.m, 16) : s.m;
-  at::Tensor out = at::zeros({rows, s.kp}, x.options().dtype(amx ? at::kBFloat16 : at::kFloat));
-  out.slice(0, 0, s.m).slice(1, 0, s.k).copy_(x);
+// x as the path reads it, zero-padded in k: fp32 rows (FMA paths, exact widening), bf16 rows
+// (AMX: a multiple of 16 rows), or bf16 rows regrouped by chain (AVX512-BF16: per block of 32 k,
+// k = 32b + 4s + t, the words (lo t=2 | hi t=0) for s = 0..7, then (lo t=3 | hi t=1)).
+template <typename X>
+void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, void* dst) {
+  if (path != Path::kAmx && path != Path::kAvx512Bf16) {
+    float* d = static_cast<float*>(dst);
+    for (int64_t j = 0; j < kp; ++j) d[j] = j < k ? static_cast<float>(src[j]) : 0.0f;
+    return;
+  }
+  auto at_k = [&](int64_t j) { return j < k ? static_cast<bf16>(src[j]) : bf16(0.0f); };
+  bf16* d = static_cast<bf16*>(dst);
+  if (path == Path::kAmx) {
+    for (int64_t j = 0; j < kp; ++j) d[j] = at_k(j);
+    return;
+  }
+  for (int64_t b = 0; b < kp; b += kBlock)
+    for (int64_t c = 0; c < 2; ++c)      // the even chain's words, then the odd one's
+      for (int64_t s = 0; s < 8; ++s) {  // lo: step 2s + 1, hi: step 2s
+        d[b + 16 * c + 2 * s] = at_k(b + 4 * s + 2 + c);
+        d[b + 16 * c + 2 * s + 1] = at_k(b + 4 * s + c);
+      }
+}
+
+at::Tensor lay_out(const at::Tensor& x, const Shape& s, Path path) {
+  const bool bf16_rows = path == Path::kAmx || path == Path::kAvx512Bf16;
+  const int64_t rows = path == Path::kAmx ? round_up(s.m, 16) : s.m;
+  at::Tensor out = at::zeros({rows, s.kp}, x.options().dtype(bf16_rows ? at::kBFloat16 : at::kFloat));
+  const int64_t width = out.element_size() * s.kp;
+  for (int64_t i = 0; i < s.m; ++i) {
+    char* dst = static_cast<char*>(out.data_ptr()) + i * width;
+    if (x.scalar_type() == at::kFloat) lay_out_row(x.data_ptr<float>() + i * s.k, s.k, s.kp, path, dst);
+    else lay_out_row(x.data_ptr<bf16>() + i * s.k, s.k, s.kp, path, dst);
+  }
   return out;
 }
 
@@ -102,15 +133,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                   bool fp32_out) {
   const Shape s = check_linear(x, packed, n, fp32_out);
   const std::vector<float> b = bias_fp32(bias, n);
-  // AMX computes bf16 x only; fp32 x takes the best FMA path (the same order).
-  const Path path = current() == Path::kAmx && fp32_out ? (cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2) : current();
-  const bool amx = path == Path::kAmx;
-  const at::Tensor xl = lay_out(x, s, amx);
+  // AMX and AVX512-BF16 take bf16 x only; fp32 x takes the best FMA path (the same order).
+  Path path = current();
+  if (fp32_out && path > Path::kAvx512) path = cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2;
+  const bool bf16_rows = path == Path::kAmx || path == Path::kAvx512Bf16;
+  const at::Tensor xl = lay_out(x, s, path);
   const int64_t ldacc = s.panels * kPanel;
   at::Tensor acc = at::empty({xl.size(0), ldacc}, x.options().dtype(at::kFloat));
   at::Tensor out = at::empty({s.m, n}, x.options());
-  const LinearTask base{amx ? nullptr : xl.data_ptr<float>(), amx ? u16(xl) : nullptr, s.m, s.kp, u16(packed),
-                        0, 0, acc.data_ptr<float>(), ldacc};
+  const LinearTask base{bf16_rows ? nullptr : xl.data_ptr<float>(), bf16_rows ? u16(xl) : nullptr, s.m, s.kp,
+                        u16(packed), 0, 0, acc.data_ptr<float>(), ldacc};
   // Grain: enough panels that a task is worth a thread, whatever m is.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, s.m * s.kp) / kPanel);
   at::parallel_for(0, s.panels, grain, [&](int64_t p0, int64_t p1) {
@@ -131,7 +163,7 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64
                             const c10::optional<at::Tensor>& bias, bool fp32_out) {
   const Shape s = check_linear(x, packed, n, fp32_out);
   const std::vector<float> b = bias_fp32(bias, n);
-  const at::Tensor xf = lay_out(x, s, false);
+  const at::Tensor xf = lay_out(x, s, Path::kAvx2);
   at::Tensor acc = at::zeros({s.m, n}, x.options().dtype(at::kFloat));
   at::Tensor out = at::empty({s.m, n}, x.options());
   FlushDenormals ftz;
@@ -160,7 +192,7 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64
 
 std::vector<std::string> linear_paths() {
   std::vector<std::string> out;
-  for (Path p : {Path::kAmx, Path::kAvx512, Path::kAvx2})
+  for (Path p : kFastestFirst)
     if (cpu_has(p)) out.emplace_back(kPathNames[int(p)]);
   return out;
 }
@@ -169,14 +201,14 @@ std::string linear_path() { return kPathNames[int(current())]; }
 
 // For audits (MARGINGATE_FORCE_ISA) and tests; a path this CPU cannot run is an error.
 void set_linear_path(const std::string& name) {
-  for (Path p : {Path::kAmx, Path::kAvx512, Path::kAvx2}) {
+  for (Path p : kFastestFirst) {
     if (name != kPathNames[int(p)]) continue;
     TORCH_CHECK(cpu_has(p), "the linear path '", name, "' cannot run on this CPU (it runs: ",
                 c10::Join(", ", linear_paths()), ")");
     current() = p;
     return;
   }
-  TORCH_CHECK(false, "unknown linear path '", name, "': amx, avx512 or avx2");
+  TORCH_CHECK(false, "unknown linear path '", name, "': amx, avx512bf16, avx512 or avx2");
 }
 
 }  // namespace mg

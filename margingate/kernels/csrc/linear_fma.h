@@ -17,9 +17,10 @@ namespace {
 // MR rows x NR column vectors. w[j]: column vector j at pair 0; a pair is 2 * kPanel bf16 further.
 // Every (row, column) has its own e, o and acc: MR and NR only decide which share registers.
 template <class V, int MR, int NR>
-void fma_tile(const float* x, int64_t kp, const uint16_t* const* w, float* acc, int64_t ldacc) {
+void fma_tile(const float* x, int64_t kp, const uint16_t* const* w, float* acc, int64_t ldacc, int64_t b0,
+              int64_t b1) {
   using T = typename V::T;
-  for (int64_t b = 0; b < kp / kBlock; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     T e[MR][NR], o[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) e[i][j] = o[i][j] = V::zero();
@@ -44,14 +45,16 @@ void fma_tile(const float* x, int64_t kp, const uint16_t* const* w, float* acc, 
 
 // The last `left` (< R + 1) rows, one tile of exactly that many rows.
 template <class V, int R, int NR>
-void fma_tail_rows(const LinearTask& t, const uint16_t* const* w, int64_t i, int64_t col, int64_t left) {
+void fma_tail_rows(const LinearTask& t, const uint16_t* const* w, int64_t i, int64_t col, int64_t left, int64_t b0,
+                   int64_t b1) {
   if constexpr (R >= 1) {
-    if (left == R) fma_tile<V, R, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + col, t.ldacc);
-    else fma_tail_rows<V, R - 1, NR>(t, w, i, col, left);
+    if (left == R) fma_tile<V, R, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + col, t.ldacc, b0, b1);
+    else fma_tail_rows<V, R - 1, NR>(t, w, i, col, left, b0, b1);
   }
 }
 
-// Columns [c, c + NR * kLanes) for every row, MR rows at a time.
+// Columns [c, c + NR * kLanes) for every row, MR rows at a time; a slice of kSliceBlocks blocks
+// stays in L1 while the row tiles pass (blocks still reach acc in ascending order: same bits).
 template <class V, int MR, int NR>
 void fma_rows(const LinearTask& t, int64_t c) {
   const uint16_t* w[NR];
@@ -59,16 +62,21 @@ void fma_rows(const LinearTask& t, int64_t c) {
     const int64_t col = c + j * V::kLanes;
     w[j] = t.w + (col / kPanel) * t.kp * kPanel + (col % kPanel) * 2;
   }
-  int64_t i = 0;
-  for (; i + MR <= t.m; i += MR) fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + c, t.ldacc);
-  if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, c, t.m - i);
+  const int64_t blocks = t.kp / kBlock;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
+    const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
+    int64_t i = 0;
+    for (; i + MR <= t.m; i += MR)
+      fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
+    if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, c, t.m - i, b0, b1);
+  }
 }
 
 // The task's panels, NR column vectors at a time (a block of W's columns stays in cache while
 // the row tiles pass), then single vectors.
+// The caller (linear.cpp) sets FTZ | DAZ: this code must see the contract's flushing.
 template <class V, int MR, int NR>
 void fma_linear(const LinearTask& t) {
-  FlushDenormals ftz;
   const int64_t c1 = t.p1 * kPanel;
   int64_t c = t.p0 * kPanel;
   for (; c + NR * V::kLanes <= c1; c += NR * V::kLanes) fma_rows<V, MR, NR>(t, c);
