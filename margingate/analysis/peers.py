@@ -7,8 +7,10 @@
   its start-up takes minutes, so it repeats its timed run inside the worker.
 * `llamacpp`: llama.cpp through llama-cpp-python's low-level API, compiled from source in its own
   venv (`make llamacpp-venv`), in a subprocess (`llamacpp_worker.py`) the same way. It reads a BF16
-  GGUF written from our BF16 cache (`models/gguf_export.py`): the weights our engine decodes, not
-  the embedded Q4_1 file. Static groups of B, one llama.cpp sequence each, as the HF peer.
+  GGUF written from the model folder (`models/gguf_export.py`): the weights our engine decodes (for
+  the embedded model its BF16 cache, not the Q4_1 file; any Llama, Mistral or Qwen2 folder, such as
+  one from scripts/make_random_model.py, with metadata from its config.json and tokenizer files).
+  Static groups of B, one llama.cpp sequence each, as the HF peer.
 
 Batch invariance of a peer is judged against the same peer decoding each prompt alone, the way
 `check` judges our policies against the reference.
@@ -136,8 +138,8 @@ class VLLMPeer(WorkerPeer):
 
 
 class LlamaCppPeer(WorkerPeer):
-    """llama.cpp (llama-cpp-python) in its own venv, on a BF16 GGUF of our BF16 cache; one worker
-    process per batch size (n_seq_max = B), at the bench's thread count."""
+    """llama.cpp (llama-cpp-python) in its own venv, on a BF16 GGUF of the model folder's weights; one
+    worker process per batch size (n_seq_max = B), at the bench's thread count."""
     name = "llama.cpp"
     label, worker, default_python = "llamacpp", "llamacpp_worker.py", LLAMACPP_PYTHON
     python_env, make_target, needs = "MARGINGATE_LLAMACPP_PYTHON", "llamacpp-venv", "llama-cpp-python"
@@ -146,13 +148,13 @@ class LlamaCppPeer(WorkerPeer):
         super().__init__(folder, threads, python)
         from ..models.gguf_export import bf16_gguf
 
-        self.gguf = bf16_gguf(folder)  # written once, beside the model's cache
+        self.gguf = bf16_gguf(folder)  # written once, beside the model folder
 
     def job(self) -> dict:
         return {"gguf": str(self.gguf), "threads": self.threads}
 
     def facts(self) -> dict:
-        return {"weights": f"BF16 GGUF written from margingate's BF16 cache: {self.gguf}"}
+        return {"weights": f"BF16 GGUF written from the model folder's weights: {self.gguf}"}
 
 
 # --peers name -> peer; each reports under its class's `name`

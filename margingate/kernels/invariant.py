@@ -9,7 +9,8 @@ library kernels that would break the determinism contract. The orders are stated
 
 The linear runs on the fastest path the CPU has (AMX tiles, AVX512-BF16 dot products, AVX-512
 or AVX2 FMAs), all in the same order and so to the same bits; `MARGINGATE_FORCE_ISA=amx|
-avx512bf16|avx512|avx2` forces one for audits, and a path the CPU cannot run is an error. Its weights are `packing.PackedWeight`s.
+avx512bf16|avx512|avx2` forces one for audits, and a path the CPU cannot run is an error. Its
+weights are `packing.PackedWeight`s.
 """
 from __future__ import annotations
 

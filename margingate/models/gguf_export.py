@@ -1,55 +1,77 @@
-"""A BF16 GGUF of a model's BF16 cache: the weights our engine decodes, in the file format llama.cpp reads.
+"""A BF16 GGUF of a model folder's weights: the weights our engine decodes, in the file format llama.cpp reads.
 
 The embedded models ship as a quantized GGUF (Q4_1, Q8_0 embeddings) that the loader dequantizes
 once to a BF16 safetensors cache. Handing llama.cpp that quantized file would compare different
-weights; this writes the cache back into a GGUF instead:
+weights; this writes the folder back into a GGUF instead:
 
-* metadata: every key-value of the embedded GGUF (architecture, shapes, rope, tokenizer, chat
-  template), with `general.file_type` set to BF16;
-* tensors: GGUF names and the q/k row order llama.cpp expects for Llama, the exact inverse of the
-  loader's map (`gguf_import.hf_name`, `gguf_import.unpermute`). 2-D tensors are BF16, bit for bit. The
-  1-D norm weights are F32, as llama.cpp's own converter writes them (ggml multiplies F32
-  activations by them and has no F32 x BF16 elementwise kernel); BF16 -> F32 is exact, so they
-  hold the same numbers.
+* metadata, for a folder converted from an embedded GGUF: every key-value of that file
+  (architecture, shapes, rope, tokenizer, chat template), with `general.file_type` set to BF16;
+* metadata, for any other Llama-family folder (LlamaForCausalLM, MistralForCausalLM as llama.cpp's
+  `llama`, Qwen2ForCausalLM as its `qwen2`): written from config.json and the tokenizer files, as
+  llama.cpp's convert_hf_to_gguf.py writes them (`gguf_tokenizer.py`). What llama.cpp's llama and
+  qwen2 architectures cannot run (Gemma 3) is refused by name. The GGUF holds what our forward
+  computes: plain RoPE at rope_theta (a config's rope_scaling is not written) and no sliding window;
+* tensors: GGUF names and the q/k row order llama.cpp expects for Llama (biases too), the exact
+  inverse of the loader's map (`gguf_import.hf_name`, `gguf_import.unpermute`). 2-D tensors are BF16,
+  bit for bit. The 1-D norm weights and biases are F32, as llama.cpp's own converter writes them
+  (ggml multiplies F32 activations by them and has no F32 x BF16 elementwise kernel); BF16 -> F32 is
+  exact, so they hold the same numbers. Tensors are read and written one at a time: an 8B model's
+  export needs about one tensor of memory, not the model's.
 
-The file is written once, next to the model folder, keyed by the model fingerprint.
+The file is written once, next to the model folder, keyed by the model fingerprint (and, for a
+folder not converted from an embedded GGUF, by its safetensors files' sizes and times, as
+its weights can change under the same shape).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .gguf_import import hf_name
-from .loader import EMBEDDED, embedded_gguf_path, load_config, load_state_dict
+from .gguf_import import ARCHS, GGUF_LAYER_NAMES, GGUF_MODEL_NAMES, hf_name
+from .gguf_tokenizer import add_tokenizer
+from .loader import EMBEDDED, embedded_gguf_path, load_config
+from .weights import WeightsError
 
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16 ("except 1d tensors")
+# HF architecture -> the llama.cpp architecture that runs it (convert_hf_to_gguf.py writes Mistral as llama).
+LLAMA_CPP_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_HF_MODEL = {v: k for k, v in GGUF_MODEL_NAMES.items()}
+_HF_LAYER = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+_SKIPPED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; the forward recomputes them
 
 
 def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Hugging Face q/k rows -> llama.cpp's (the rotary halves of each head interleaved); the inverse
-    of `gguf_import.unpermute`."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Hugging Face q/k rows -> llama.cpp's (the rotary halves of each head interleaved; bias rows
+    alike); the inverse of `gguf_import.unpermute`."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def source_gguf(folder: Path) -> Path:
-    """The embedded GGUF a cache folder was converted from (its metadata is copied)."""
+def source_gguf(folder: Path) -> Path | None:
+    """The embedded GGUF a cache folder was converted from (its metadata is copied); None for any
+    other folder (its metadata is written from config.json and the tokenizer files)."""
     name = json.loads((Path(folder) / "config.json").read_text()).get("source_gguf")
     for model, (_, filename) in EMBEDDED.items():
         if name == filename:
             return embedded_gguf_path(model)
-    raise ValueError(f"{folder} was not converted from an embedded GGUF ({', '.join(EMBEDDED)}): a BF16 GGUF "
-                     "needs the embedded file's architecture and tokenizer metadata, so only embedded models "
-                     "can be exported")
+    return None
 
 
 def bf16_gguf_path(folder: Path) -> Path:
     folder = Path(folder)
-    return folder.with_name(f"{folder.name}-{load_config(folder).fingerprint()}.bf16.gguf")
+    key = load_config(folder).fingerprint()
+    if source_gguf(folder) is None:
+        files = sorted(folder.glob("*.safetensors"))
+        stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        key += "-" + hashlib.sha256(repr(stamp).encode()).hexdigest()[:8]
+    return folder.with_name(f"{folder.name}-{key}.bf16.gguf")
 
 
 def bf16_gguf(folder: Path) -> Path:
@@ -65,24 +87,76 @@ def bf16_gguf(folder: Path) -> Path:
     return path
 
 
-def _tensor(name: str, w: torch.Tensor, meta: dict) -> torch.Tensor:
-    arch = meta["general.architecture"]
-    if name.endswith(".attn_q.weight"):
-        return permute(w, int(meta[f"{arch}.attention.head_count"]))
-    if name.endswith(".attn_k.weight"):
-        return permute(w, int(meta[f"{arch}.attention.head_count_kv"]))
-    return w
+def gguf_name(name: str) -> str | None:
+    """The GGUF name of Hugging Face tensor `name` in a Llama-family model; None: it has no place there."""
+    base, kind = name.rsplit(".", 1)
+    if base in _HF_MODEL:
+        return f"{_HF_MODEL[base]}.{kind}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    return f"blk.{m[1]}.{_HF_LAYER[m[2]]}.{kind}" if m and m[2] in _HF_LAYER else None
+
+
+class _Tensors(contextlib.ExitStack):
+    """A folder's safetensors tensors by name, each read when asked for, in BF16 as the loader reads them."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.files = folder, {}
+
+    def __enter__(self) -> _Tensors:
+        from safetensors import safe_open
+
+        super().__enter__()
+        try:
+            for f in sorted(self.folder.glob("*.safetensors")):
+                handle = self.enter_context(safe_open(str(f), "pt"))
+                for k in handle.keys():
+                    if k in self.files:
+                        raise WeightsError(f"{k} appears in more than one file of {self.folder} (again in {f.name})")
+                    self.files[k] = handle
+        except BaseException:
+            self.close()  # the files opened so far: no __exit__ follows a failed __enter__
+            raise
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.files[name].get_tensor(name).to(torch.bfloat16)
+
+
+def _ignored(name: str, tied: bool) -> bool:
+    # As our loader: a tied model's head is its embedding, whatever the folder holds.
+    return name.endswith(_SKIPPED) or (tied and name == "lm_head.weight")
 
 
 def write_bf16_gguf(folder: Path, out: Path, source: Path | None = None) -> Path:
-    """Write `folder`'s BF16 safetensors as a GGUF at `out`, with the metadata of `source`
-    (default: the embedded GGUF the folder was converted from)."""
+    """Write `folder`'s weights as a BF16 GGUF at `out`, with the metadata of `source` (default: the
+    embedded GGUF the folder was converted from; none: written from the folder's own files)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(source or source_gguf(folder)))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    arch = meta["general.architecture"]
-    state = load_state_dict(Path(folder), torch.bfloat16)
+    folder = Path(folder)
+    source = source or source_gguf(folder)
+    with _Tensors(folder) as tensors:
+        if source is not None:
+            writer, arch, names, heads = _copied_metadata(gguf, source, out)
+        else:
+            writer, arch, names, heads = _written_metadata(gguf, folder, out, tensors)
+        try:
+            _write_tensors(gguf, writer, folder, (arch, heads), names, tensors)
+        finally:
+            writer.close()
+    return Path(out)
+
+
+def _copied_metadata(gguf, source: Path, out: Path):
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(out), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":  # written by the writer itself
@@ -92,25 +166,90 @@ def write_bf16_gguf(folder: Path, out: Path, source: Path | None = None) -> Path
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    used = set()
-    for t in reader.tensors:  # the source's names and order; our values
-        name = hf_name(t.name)
-        if name not in state:
-            raise ValueError(f"{folder} has no {name} (GGUF {t.name})")
-        used.add(name)
-        w = _tensor(t.name, state[name], meta).contiguous()
-        if w.dim() == 1:
-            writer.add_tensor(t.name, w.float().numpy())
+    heads = tuple(int(reader.fields[f"{arch}.attention.{k}"].contents()) for k in ("head_count", "head_count_kv"))
+    return writer, arch, [t.name for t in reader.tensors], heads  # the source's names and order; our values
+
+
+def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors):
+    """The metadata convert_hf_to_gguf.py writes for a Llama or Qwen2 folder, from our reading of it."""
+    cfg = load_config(folder)
+    arch = LLAMA_CPP_ARCHS.get(cfg.architecture)
+    if arch is None:
+        raise ValueError(f"{folder}: {cfg.architecture} cannot be exported for llama.cpp: the BF16 GGUF export "
+                         f"writes llama.cpp's llama and qwen2 architectures ({', '.join(LLAMA_CPP_ARCHS)}); "
+                         "Gemma 3 needs its gemma3 architecture, which it does not write")
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(folder.name)
+    writer.add_context_length(cfg.max_position)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(FILE_TYPE_BF16)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer(writer, folder, cfg.vocab_size)
+    names = []
+    for name in tensors.names:
+        if _ignored(name, cfg.tie_embeddings):
+            continue
+        if gguf_name(name) is None:
+            raise ValueError(f"{folder}: {name} has no place in llama.cpp's {arch} architecture")
+        names.append(gguf_name(name))
+    return writer, arch, sorted(names, key=_order), (cfg.num_heads, cfg.num_kv_heads)
+
+
+def _order(name: str) -> tuple:
+    """token_embd, the blocks in order (each as GGUF_LAYER_NAMES lists them; weight before bias),
+    output_norm, output."""
+    parts = name.split(".")
+    if parts[0] != "blk":
+        return {"token_embd": 0, "output_norm": 2, "output": 3}[parts[0]], 0, 0, False
+    return 1, int(parts[1]), list(GGUF_LAYER_NAMES).index(parts[2]), parts[-1] == "bias"
+
+
+def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[str], tensors: _Tensors) -> None:
+    """Tensor infos first (the header needs every shape), then each tensor read, converted and written."""
+    from tqdm import tqdm
+
+    arch, (n_heads, n_kv) = arch_heads
+    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch][3] else {}  # llama: q/k rows permuted
+    plan = []
+    for name in names:
+        hf = hf_name(name, arch)
+        if hf not in tensors.files:
+            raise ValueError(f"{folder} has no {hf} (GGUF {name})")
+        dims = tensors.shape(hf)
+        n = int(np.prod(dims))
+        if len(dims) == 1:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * n)
         else:
-            writer.add_tensor(t.name, w.view(torch.int16).numpy().view(np.uint16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
-    if set(state) - used:
-        raise ValueError(f"{folder} holds tensors the GGUF has no place for: {sorted(set(state) - used)[:4]}")
+            writer.add_tensor_info(name, dims, np.dtype(np.uint16), 2 * n, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        plan.append((name, hf, n))
+    tied = "output.weight" not in names
+    unused = sorted(set(tensors.names) - {hf for _, hf, _ in plan} - {k for k in tensors.names if _ignored(k, tied)})
+    if unused:
+        raise ValueError(f"{folder} holds tensors the GGUF has no place for: {unused[:4]}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(out)
+    writer.write_ti_data_to_file()
+    with tqdm(total=sum(n for *_, n in plan), unit="weight", unit_scale=True, desc="writing the BF16 GGUF",
+              disable=len(plan) < 64, leave=False) as bar:
+        for name, hf, n in plan:
+            w = tensors.get(hf)
+            for part, count in heads.items():
+                if part in name:
+                    w = permute(w, count)
+            w = w.contiguous()
+            writer.write_tensor_data(w.float().numpy() if w.dim() == 1 else w.view(torch.int16).numpy().view(np.uint16))
+            bar.update(n)
 
 
 def read_tensor(t) -> torch.Tensor:

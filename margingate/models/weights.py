@@ -83,10 +83,6 @@ class LayerWeights:
         """Plain tensors in `dtype` (packed matrices unpacked)."""
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)})
 
-    def packed(self) -> LayerWeights:
-        """The matrices packed (the plain ones are dropped as each is packed: one copy at a time)."""
-        return replace(self, **{name: pack(getattr(self, name)) for name in MATRICES})
-
 
 @dataclass
 class ModelWeights:
@@ -105,16 +101,6 @@ class ModelWeights:
         return ModelWeights(embed=embed, norm=_cast(self.norm, dtype),
                             lm_head=embed if self.tied else _cast(self.lm_head, dtype),
                             layers=[layer.to(dtype) for layer in self.layers])
-
-    def packed(self) -> ModelWeights:
-        """Our kernels' weights: every matrix packed once, each plain one released as it is packed,
-        so that a model holds one copy of its weights (this object's own references are cleared)."""
-        layers = []
-        while self.layers:
-            layers.append(self.layers.pop(0).packed())
-        lm_head = pack(self.lm_head)
-        return ModelWeights(embed=lm_head if self.tied else self.embed, norm=self.norm, lm_head=lm_head,
-                            layers=layers)
 
 
 def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -199,15 +185,17 @@ def check(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> d
 
 
 def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
-          source: str = "the given state dict") -> ModelWeights:
-    """Check `state` against the map, then fuse it into bf16 tensors on `device`."""
+          source: str = "the given state dict", packed: bool = False) -> ModelWeights:
+    """Check `state` against the map, then fuse it into bf16 tensors on `device`; `packed`: every
+    matrix packed as soon as it is fused, so that memory holds one layer's plain copy at most."""
     names = check(config, state, source)
 
     def get(key: str) -> torch.Tensor | None:
         if key not in names:
             return None
         parts = [state[n] for n in names[key]]
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
+        t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
+        return pack(t) if packed and key.rsplit(".", 1)[-1] in MATRICES else t
 
     embed = get("embed")
     layers = [LayerWeights(
@@ -218,5 +206,9 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
         **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP},
     ) for i in range(config.num_layers)]
-    lm_head = embed if config.tie_embeddings else get("lm_head")
+    if packed:  # the head is a matrix; a tied model's embedding is read from it
+        lm_head = pack(embed if config.tie_embeddings else get("lm_head"))
+        embed = lm_head if config.tie_embeddings else embed
+    else:
+        lm_head = embed if config.tie_embeddings else get("lm_head")
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)

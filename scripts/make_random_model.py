@@ -1,0 +1,173 @@
+"""A random-weight Hugging Face Llama folder of a real Llama shape, for speed and memory work only.
+
+    python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force]
+
+Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
+(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head. No hub is
+reachable here, so the vocabulary, tokenizer files, bos/eos ids, rope_theta, rms_norm_eps and
+context length are the embedded SmolLM2-135M's (vocab 49152; rope_theta 100000, not Llama 3's
+500000: a speed run does not care, and the folder then says nothing the embedded model does not).
+
+Weights are N(0, 0.02) (norms 1.0) in bf16 from a torch.Generator seeded by --seed, drawn tensor by
+tensor in a fixed order, so a seed gives the same folder whatever the shard size. They are written
+shard by shard (at most ~2 GB each, with model.safetensors.index.json when there is more than one),
+so memory peaks at about one shard: the 8b is ~15 GB of bf16 on a 24 GiB machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
+    "1b": (2048, 8192, 16, 32, 8, 64),
+    "8b": (4096, 14336, 32, 32, 8, 128),
+    "tiny": (256, 512, 2, 4, 2, 64),  # for the tests only: seconds to write and load
+}
+SHARD_BYTES = 2 * 10**9
+STD = 0.02
+# The embedded model's files that are not its tokenizer (weights are matched by suffix).
+NOT_TOKENIZER = {"config.json", "model.safetensors.index.json", "generation_config.json"}
+
+
+def config(size: str, base: dict, layers: int | None = None) -> dict:
+    """config.json: the shape of `size`; vocabulary, special ids, RoPE base and norm epsilon of `base`
+    (the embedded model's config.json)."""
+    hidden, inter, n_layers, heads, kv, head_dim = SIZES[size]
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "vocab_size": base["vocab_size"], "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers or n_layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": head_dim, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rope_theta": base["rope_theta"], "rms_norm_eps": base["rms_norm_eps"],
+        "max_position_embeddings": base.get("max_position_embeddings", 8192),
+        "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
+    }
+
+
+def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor's name and shape, in the order transformers saves a Llama."""
+    hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    out = [("model.embed_tokens.weight", (cfg["vocab_size"], hidden))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (hidden,)),
+                (p + "self_attn.q_proj.weight", (q, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
+                (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, q)),
+                (p + "post_attention_layernorm.weight", (hidden,)),
+                (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, inter))]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (cfg["vocab_size"], hidden))]
+
+
+def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int = SHARD_BYTES) -> list[list[tuple[str, tuple]]]:
+    """`plan` cut in order into groups of at most `limit` bf16 bytes (a larger tensor alone)."""
+    groups, size = [[]], 0
+    for name, shape in plan:
+        n = 2 * torch.Size(shape).numel()
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += n
+    return groups
+
+
+def draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:  # RMSNorm weights: the identity scale, as a fresh model starts
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, STD, generator=gen).to(torch.bfloat16)
+
+
+def write(out: Path, cfg: dict, seed: int, progress: bool = True, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """The weights of `cfg` into `out`, shard by shard; the written files."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    plan = tensors(cfg)
+    groups = shards(plan, shard_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    names = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    total = sum(2 * torch.Size(s).numel() for _, s in plan)
+    weight_map = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
+        for fname, group in zip(names, groups):
+            shard = {}
+            for name, shape in group:
+                shard[name] = draw(shape, gen)
+                weight_map[name] = fname
+                bar.update(2 * shard[name].numel())
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            del shard  # before the next shard is drawn: memory stays at about one shard
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return [out / n for n in names]
+
+
+def copy_tokenizer(base: Path, out: Path) -> list[str]:
+    copied = []
+    for f in sorted(base.iterdir()):
+        if f.is_file() and f.name not in NOT_TOKENIZER and f.suffix not in (".safetensors", ".bin", ".gguf"):
+            shutil.copy2(f, out / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def verify(out: Path) -> str:
+    """Cheap: our loader reads config.json, and the files' tensor names and shapes are the ones its
+    name map wants (read from the safetensors headers, nothing loaded)."""
+    from safetensors import safe_open
+
+    from margingate.models.loader import load_config
+    from margingate.models.weights import check
+
+    cfg = load_config(out)
+    state = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            state.update({k: torch.empty(fh.get_slice(k).get_shape(), device="meta") for k in fh.keys()})
+    check(cfg, state, str(out))
+    return cfg.fingerprint()
+
+
+def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int | None = None,
+         progress: bool = True) -> Path:
+    from margingate.models.loader import resolve_model_dir
+
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise SystemExit(f"{out} exists and is not empty: pass --force to replace it")
+        # Only what a model folder is read from: a stale shard would be loaded beside the new ones.
+        for f in [out / "config.json", out / "model.safetensors.index.json", *out.glob("*.safetensors")]:
+            f.unlink(missing_ok=True)
+    base = resolve_model_dir("smollm2-135m")  # the embedded model, converted once into the cache
+    cfg = config(size, json.loads((base / "config.json").read_text()), layers)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(base, out)
+    write(out, cfg, seed, progress)
+    # Last: an interrupted run leaves no config.json, which the loader refuses, not half the weights.
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b}")
+    p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist, or be empty)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # a shallower copy, for tests
+    args = p.parse_args(argv)
+    out = make(args.size, args.out, args.seed, args.force, args.layers)
+    print(f"{out}: {args.size} random Llama, seed {args.seed}, fingerprint {verify(out)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
