@@ -126,3 +126,13 @@ def test_bench_llamacpp_peer_missing_says_how_to_install(capsys, monkeypatch, tm
     monkeypatch.setenv("MARGINGATE_LLAMACPP_PYTHON", str(tmp_path / "no-venv" / "python"))
     code, _, err = run(capsys, "bench", "--quick", "--peers", "hf,llamacpp")
     assert code == 2 and "make llamacpp-venv" in err and "MARGINGATE_LLAMACPP_PYTHON" in err
+
+
+def test_roofline_table_of_a_prefill_only_run():
+    """A bench of one-token requests (a prefill measurement) has no decode step: its floor row says so
+    instead of failing to write the report."""
+    from margingate.analysis.roofline import format_roofline
+
+    report = {"machine": {"threads": 2, "read_gb_s": 40.0, "gemm_gflop_s": 400.0}, "weight_mb": 269.0,
+              "gflop_per_row": 0.27, "floor": {"B1": {"tokens_per_s": 3.5, "decode_step_ms_mean": None}}}
+    assert "| 1 | 3.5 | - |" in format_roofline(report)

@@ -127,6 +127,7 @@ def format_roofline(r: dict) -> str:
              f"{r['gflop_per_row']:.2f} GFLOP per row; floor = max(bytes / bandwidth, FLOPs / GEMM rate) per step, "
              "plus one prefill per wave of B.", "",
              "| B | floor tok/s | floor ms / decode step |", "|---:|---:|---:|"]
-    for key, f in r["floor"].items():
-        lines.append(f"| {key[1:]} | {f['tokens_per_s']:.1f} | {f['decode_step_ms_mean']:.2f} |")
+    for key, f in r["floor"].items():  # no decode step when every request asks for one token (a prefill run)
+        step = f["decode_step_ms_mean"]
+        lines.append(f"| {key[1:]} | {f['tokens_per_s']:.1f} | {'-' if step is None else f'{step:.2f}'} |")
     return "\n".join(lines)

@@ -8,6 +8,28 @@
 namespace mg {
 namespace {
 
+// Scores of one query head (fp32, d values) against n keys: s[j] = (q . k_j) * scale, each dot
+// product in hsum's order; eight keys go through one hsum_x8 (the same pairings).
+template <typename C>
+void chunk_scores(const float* qf, const C* keys, int64_t n, int64_t d, float scale, float* s) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {  // eight keys' dot products, then their eight tree sums at once
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_load_ps(qf + i);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * d + i), a[u]);
+    }
+    hsum_x8(a, s + j);
+    for (int u = 0; u < 8; ++u) s[j + u] *= scale;
+  }
+  for (; j < n; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qf + i), load8(keys + j * d + i), a);
+    s[j] = hsum(a) * scale;
+  }
+}
+
 // Row r (query heads q[r], at position lengths[r] - 1 of cache slot slots[r]) attends
 // over keys [0, lengths[r]) of that slot. k_cache, v_cache: [S, Hkv, L, D], bf16 (the
 // engine's) or fp32 (tests against an fp32 oracle); C is their storage type.
@@ -18,7 +40,7 @@ namespace {
 // walking a batch padded to A keys (left padding) does. `fast` passes its batch's longest
 // row, so its bits depend on its neighbours, as a padded batched decode's do.
 //
-// A score is q . k with hsum's order; eight keys go through one hsum_x8 (the same pairings).
+// A score is q . k with hsum's order (chunk_scores).
 template <typename T, typename C>
 void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t align, int64_t g, int64_t d,
                 float scale, T* out) {
@@ -33,24 +55,7 @@ void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t align
   alignas(32) float s[kMaxG][kChunk];
   const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
   for (int64_t c0 = 0, cn = std::min(first, len); c0 < len; c0 += cn, cn = std::min(kChunk, len - c0)) {
-    for (int64_t h = 0; h < g; ++h) {
-      int64_t j = 0;
-      for (; j + 8 <= cn; j += 8) {  // eight keys' dot products, then their eight tree sums at once
-        __m256 a[8];
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) {
-          const __m256 qv = _mm256_load_ps(&qf[h][i]);
-          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(kc + (c0 + j + u) * d + i), a[u]);
-        }
-        hsum_x8(a, &s[h][j]);
-        for (int u = 0; u < 8; ++u) s[h][j + u] *= scale;
-      }
-      for (; j < cn; ++j) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(&qf[h][i]), load8(kc + (c0 + j) * d + i), a);
-        s[h][j] = hsum(a) * scale;
-      }
-    }
+    for (int64_t h = 0; h < g; ++h) chunk_scores(qf[h], kc + c0 * d, cn, d, scale, s[h]);
     for (int64_t h = 0; h < g; ++h) {
       float cmax = -INFINITY;
       for (int64_t j = 0; j < cn; ++j) cmax = std::max(cmax, s[h][j]);

@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 
 #include <chrono>
+#include <initializer_list>
 
 #include "kernels.h"
 
@@ -38,6 +39,59 @@ struct Phase {
 constexpr int kPerLayer = 12;
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
+void check_stack(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+                 std::initializer_list<const at::Tensor*> ropes, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, int64_t kv_heads, size_t windows) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
+              "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
+  TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
+              "decoder_stack: 12 tensors per layer, one cache layer each");
+  const at::Tensor& cos = **ropes.begin();
+  for (const at::Tensor* t : ropes)
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
+                "decoder_stack: cos, sin (global and local) [N, D] bf16");
+  TORCH_CHECK(int64_t(windows) == k_cache.size(0), "decoder_stack: one window per layer");
+  TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == h.size(0) && cos.size(1) == k_cache.size(4),
+              "decoder_stack: shapes");
+  TORCH_CHECK(kv_heads * k_cache.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+}
+
+// Where a layer's rows go in the cache, and the rotary tables they use.
+struct RowsInCache {
+  const int64_t* slot;
+  const int64_t* pos;
+  const bf16* cos;
+  const bf16* sin;
+  bf16* k;  // the layer's [S, Hkv, L, D]
+  bf16* v;
+  int64_t lmax;
+};
+
+// Row by row: q rotated into `q`; k rotated and v copied into the cache at the row's position.
+// q_in, k_in: the rows' q and k (Gemma's normed copies, else inside qkv).
+void rotate_and_cache(const at::Tensor& qkv, const bf16* q_in, int64_t q_stride, const bf16* k_in,
+                      int64_t k_stride, const RowsInCache& c, int64_t heads, int64_t kv_heads, int64_t d,
+                      at::Tensor& q) {
+  const int64_t n = qkv.size(0), qs = heads * d, kvs = kv_heads * d;
+  const bf16* qkvp = qkv.data_ptr<bf16>();
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const bf16* v_in = qkvp + r * (qs + 2 * kvs) + qs + kvs;
+      const bf16 *cs = c.cos + r * d, *sn = c.sin + r * d;
+      rope_row(q_in + r * q_stride, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
+      alignas(64) bf16 k_rot[kMaxKV];
+      rope_row(k_in + r * k_stride, cs, sn, kv_heads, d, k_rot);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t off = ((c.slot[r] * kv_heads + g) * c.lmax + c.pos[r]) * d;
+        std::memcpy(c.k + off, k_rot + g * d, d * sizeof(bf16));
+        std::memcpy(c.v + off, v_in + g * d, d * sizeof(bf16));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Turns the phase timers on or off; returns the milliseconds gathered since the last call.
@@ -59,20 +113,9 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
                    int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
-              "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
-  TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
-              "decoder_stack: 12 tensors per layer, one cache layer each");
-  for (const at::Tensor* t : {&cos, &sin, &cos_local, &sin_local})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
-                "decoder_stack: cos, sin (global and local) [N, D] bf16");
-  TORCH_CHECK(int64_t(windows.size()) == k_cache.size(0), "decoder_stack: one window per layer");
+  check_stack(h, weights, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache, kv_heads, windows.size());
   const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
   const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
-  TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == n && cos.size(1) == d, "decoder_stack: shapes");
-  TORCH_CHECK(kvs <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
   at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* pp = ps.data_ptr<int64_t>();
@@ -93,27 +136,12 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
     }
     {
       Phase p{2};
+      const RowsInCache c{sp, pp, (window ? cos_local : cos).data_ptr<bf16>(),
+                          (window ? sin_local : sin).data_ptr<bf16>(), k_cache.data_ptr<bf16>() + li * layer_stride,
+                          v_cache.data_ptr<bf16>() + li * layer_stride, lmax};
       const bf16* qkvp = qkv.data_ptr<bf16>();
-      bf16* kl = k_cache.data_ptr<bf16>() + li * layer_stride;
-      bf16* vl = v_cache.data_ptr<bf16>() + li * layer_stride;
-      const bf16* cos_p = (window ? cos_local : cos).data_ptr<bf16>();
-      const bf16* sin_p = (window ? sin_local : sin).data_ptr<bf16>();
-      at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) {  // q rotated; k rotated and v copied into the cache
-          const bf16* row = qkvp + r * (qs + 2 * kvs);
-          const bf16* q_in = gemma ? qn.data_ptr<bf16>() + r * qs : row;
-          const bf16* k_in = gemma ? kn.data_ptr<bf16>() + r * kvs : row + qs;
-          const bf16 *cs = cos_p + r * d, *sn = sin_p + r * d;
-          rope_row(q_in, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
-          alignas(64) bf16 k_rot[kMaxKV];
-          rope_row(k_in, cs, sn, kv_heads, d, k_rot);
-          for (int64_t g = 0; g < kv_heads; ++g) {
-            const int64_t off = ((sp[r] * kv_heads + g) * lmax + pp[r]) * d;
-            std::memcpy(kl + off, k_rot + g * d, d * sizeof(bf16));
-            std::memcpy(vl + off, row + qs + kvs + g * d, d * sizeof(bf16));
-          }
-        }
-      });
+      if (gemma) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
+      else rotate_and_cache(qkv, qkvp, qs + 2 * kvs, qkvp + qs, qs + 2 * kvs, c, heads, kv_heads, d, q);
     }
     { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[3], h.size(1), maybe(W[4]), false); }
