@@ -15,8 +15,10 @@ def main(job_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     ids, n = job["prompt_ids"], job["max_new_tokens"]
+    # No prefix caching: the warm-up and every repeat send the same prompts, and a cache hit would skip
+    # the prefill every other contender computes (margingate's bench engine runs without its prefix cache).
     llm = LLM(model=job["model"], dtype="bfloat16", max_num_seqs=job["batch_size"],
-              max_model_len=max(512, max(map(len, ids)) + n + 8), seed=0)
+              max_model_len=max(512, max(map(len, ids)) + n + 8), seed=0, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
 
