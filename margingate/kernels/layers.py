@@ -3,8 +3,8 @@
 A forward picks its set once (`kernel_set`): `INVARIANT` runs every Linear, norm and
 activation through our compiled kernels over bf16 weights packed at load (`packing.py`),
 whatever the activations' dtype; `LIBRARY` through PyTorch's ops, with plain weights in the
-activations' dtype. The op order
-of each layer (the MLP, the final norm and head) is fixed here, not in the model.
+activations' dtype. The op order of each layer (the MLP, the final norm and head) is fixed here,
+not in the model.
 """
 from __future__ import annotations
 
