@@ -25,10 +25,11 @@ from .packing import PackedWeight
 
 _CSRC = Path(__file__).parent / "csrc"
 # Baseline AVX2 + FMA, no -march=native: the same instructions on every x86 CPU that has them;
-# linear_avx512.cpp and linear_amx.cpp raise their own target (a pragma), each in its own unit,
-# and run only where the CPU has it. -ffp-contract=off: the compiler never fuses a mul and an add.
+# linear_avx512.cpp, linear_avx512bf16.cpp and linear_amx.cpp raise their own target (a pragma),
+# each in its own unit, and run only where the CPU has it. -ffp-contract=off: the compiler never fuses a mul and an add.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 FORCE_ISA = "MARGINGATE_FORCE_ISA"
+ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")  # the linear's paths, fastest first
 
 
 class KernelBuildError(RuntimeError):
@@ -79,9 +80,6 @@ def use_path(name: str, mod=None) -> None:
                        f"{'cannot run on this CPU' if name in ISA_PATHS else 'does not exist'}; "
                        f"this CPU runs {', '.join(mod.linear_paths())} (paths: {', '.join(ISA_PATHS)})")
     mod.set_linear_path(name)
-
-
-ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")
 
 
 def linear_path() -> str:

@@ -39,7 +39,7 @@ class LlamaModel:
         self.device = torch.device(device)
         source = getattr(state, "source", "the given state dict")
         # One copy of the weights: packed for our kernels; the library's plain copies on first use.
-        self.packed_weights = build(config, state, self.device, source, packed=True)
+        self.packed_weights = build(config, state, self.device, source)
         self._library_weights: dict[torch.dtype, ModelWeights] = {}
         self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
         # the sliding-window layers' own RoPE base (Gemma 3)

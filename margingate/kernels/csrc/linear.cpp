@@ -27,6 +27,8 @@ Path best_path() {
   return Path::kAvx2;
 }
 
+bool reads_bf16(Path p) { return p == Path::kAmx || p == Path::kAvx512Bf16; }  // else fp32 rows
+
 Path& current() {  // resolved on first use, when the CPU's feature bits are certain to be read
   static Path path = best_path();
   return path;
@@ -65,7 +67,7 @@ Shape check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, boo
 // k = 32b + 4s + t, the words (lo t=2 | hi t=0) for s = 0..7, then (lo t=3 | hi t=1)).
 template <typename X>
 void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, void* dst) {
-  if (path != Path::kAmx && path != Path::kAvx512Bf16) {
+  if (!reads_bf16(path)) {
     float* d = static_cast<float*>(dst);
     for (int64_t j = 0; j < kp; ++j) d[j] = j < k ? static_cast<float>(src[j]) : 0.0f;
     return;
@@ -85,7 +87,7 @@ void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, void* dst) {
 }
 
 at::Tensor lay_out(const at::Tensor& x, const Shape& s, Path path) {
-  const bool bf16_rows = path == Path::kAmx || path == Path::kAvx512Bf16;
+  const bool bf16_rows = reads_bf16(path);
   const int64_t rows = path == Path::kAmx ? round_up(s.m, 16) : s.m;
   at::Tensor out = at::zeros({rows, s.kp}, x.options().dtype(bf16_rows ? at::kBFloat16 : at::kFloat));
   const int64_t width = out.element_size() * s.kp;
@@ -136,7 +138,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   // AMX and AVX512-BF16 take bf16 x only; fp32 x takes the best FMA path (the same order).
   Path path = current();
   if (fp32_out && path > Path::kAvx512) path = cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2;
-  const bool bf16_rows = path == Path::kAmx || path == Path::kAvx512Bf16;
+  const bool bf16_rows = reads_bf16(path);
   const at::Tensor xl = lay_out(x, s, path);
   const int64_t ldacc = s.panels * kPanel;
   at::Tensor acc = at::empty({xl.size(0), ldacc}, x.options().dtype(at::kFloat));
