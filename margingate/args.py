@@ -92,6 +92,30 @@ def add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
                    help="testing: emit a wrong token at output index K to exercise rollback")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The request's sampling options (SamplingParams validates them when the command runs)."""
+    g = p.add_argument_group("sampling (applied per request, from its own history; see engine/sampling.py)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: seeded Gumbel-max")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one, reported)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
+                   help="report each token's logprob and its K best alternatives (in --json output)")
+
+
+def sampling_params(args):
+    from .engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, seed=args.seed, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          logprobs=args.logprobs)
+
+
 def add_prompt_args(p: argparse.ArgumentParser, limit: int | None, what: str = "use only the first N prompts") -> None:
     p.add_argument("--prompts-file", help="JSON lines: {prompt|messages|text: ...} (default: the built-in prompts)")
     p.add_argument("--limit", type=non_negative_int, default=limit, help=f"{what} (0: all)")

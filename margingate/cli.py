@@ -7,6 +7,7 @@ import sys
 import time
 
 from . import args as cli
+from . import scoring
 from .analysis import bench, calibrate, flips
 from .data.prompts import PromptFileError
 from .distributed.options import add_ray_args, worker_pool
@@ -15,17 +16,18 @@ from .policies import PolicySpec
 from .server import cli as serve
 
 #: subcommands defined beside their code: each module has add_parser(sub)
-REGISTERED = (serve, bench, flips, calibrate)
+REGISTERED = (serve, bench, flips, calibrate, scoring)
 
 
 # --- commands ----------------------------------------------------------------------
 
 def cmd_generate(args) -> None:
     spec = cli.policy_spec(args)  # refuses bad options before the model loads
+    sampling = cli.sampling_params(args)
     prompts = cli.prompts(args)
     with worker_pool(args, args.max_batch_size) as pool:  # --ray: its workers decode, this process tokenizes
         llm = cli.llm(args, args.max_batch_size)
-        reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens)
+        reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling)
         for r in reqs:
             r.policy = llm.policy(spec)
         if spec.chosen_by and not args.json:  # JSON lines carry it in each request's stats
@@ -34,8 +36,11 @@ def cmd_generate(args) -> None:
     for i, res in enumerate(results):
         c = llm.completion(i, res)
         if args.json:
+            logprobs = {} if c.logprobs is None else {"logprobs": [
+                {"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]} for t in c.logprobs]}
             print(json.dumps({"prompt_index": i, "token_ids": c.token_ids, "text": c.text,
-                              "finish_reason": c.finish_reason, "stats": c.stats}))
+                              "finish_reason": c.finish_reason, "stats": c.stats,
+                              "seed": reqs[i].sampling.seed, **logprobs}))
         else:
             print(f"--- [{i}] {prompts[i].display()}  ({c.finish_reason}, {len(c.token_ids)} tokens)")
             print(c.text)
@@ -84,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
     g.add_argument("--max-batch-size", type=cli.positive_int, default=16)
     g.add_argument("--json", action="store_true", help="one JSON object per line")
+    cli.add_sampling_args(g)
     cli.add_model_args(g)
     cli.add_prefix_cache_arg(g)
     cli.add_policy_args(g, "fast")

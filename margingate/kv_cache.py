@@ -57,6 +57,11 @@ class KVCache:
         self.k[:, slot, :, start:end] = k
         self.v[:, slot, :, start:end] = v
 
+    def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
+        """Positions [start, end) of slot `src` into slot `dst` (a fork: n samples of one prompt)."""
+        self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
+        self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+
     # --- one column: one position of one request, every layer ------------------
     def read_column(self, slot: int, pos: int) -> Column:
         return self.k[:, slot, :, pos].clone(), self.v[:, slot, :, pos].clone()

@@ -11,6 +11,8 @@ import torch
 from .data.prompts import Prompt
 from .engine import Engine, EngineConfig, Request, Result
 from .engine.engine import StreamEvent
+from .engine.logprobs import TokenLogprob
+from .engine.sampling import SamplingParams
 from .kernels import VERSION as KERNELS_VERSION
 from .kernels import invariant
 from .models import build_model
@@ -18,6 +20,7 @@ from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_
 from .models.tokenizer import Tokenizer
 from .policies import DEFAULT_TAU, Policy, PolicySpec
 from .profiles import load_profile
+from .scoring import Score, score_pairs
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Completion:
     text: str
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None   # with SamplingParams(logprobs=k)
 
 
 class LLM:
@@ -61,20 +65,32 @@ class LLM:
         return str(self.model.device)
 
     def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
-                 ignore_eos: bool = False) -> list[Request]:
+                 ignore_eos: bool = False, sampling: SamplingParams | None = None) -> list[Request]:
+        """One request per prompt; `sampling` (default: greedy) is every request's."""
         return [Request(self.tokenizer.encode_prompt(p), max_new_tokens, policy, ignore_eos=ignore_eos,
-                        request_id=f"p{i}") for i, p in enumerate(prompts)]
+                        request_id=f"p{i}", sampling=sampling or SamplingParams()) for i, p in enumerate(prompts)]
 
     def generate(self, prompts: list[Prompt], *, progress: bool = False, **kw) -> list[Completion]:
+        """Decode `prompts` together; keywords as `requests` (max_new_tokens, policy, sampling, ...)."""
         results = self.engine.generate(self.requests(prompts, **kw), progress=progress)
         return [self.completion(i, r) for i, r in enumerate(results)]
+
+    def score(self, prompt_ids: list[int], continuation_ids: list[int], *, top_logprobs: int = 0) -> Score:
+        """The logprob of each continuation token after the prompt (and its top alternatives): bitwise
+        what generating that continuation reported under a policy that guarantees logprobs."""
+        return self.score_batch([(prompt_ids, continuation_ids)], top_logprobs=top_logprobs)[0]
+
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]], *, top_logprobs: int = 0,
+                    progress: bool = False) -> list[Score]:
+        """`score` for many (prompt, continuation) pairs, prefilled together."""
+        return score_pairs(self.engine, pairs, top_logprobs, progress)
 
     def stream(self, requests: list[Request]) -> Iterator[StreamEvent]:
         return self.engine.stream(requests)
 
     def completion(self, index: int, result: Result) -> Completion:
         return Completion(index, result.token_ids, self.tokenizer.decode(result.token_ids),
-                          result.finish_reason, result.stats)
+                          result.finish_reason, result.stats, result.logprobs)
 
     def environment(self) -> dict:
         """What the determinism contract depends on besides the request: record it in every report."""

@@ -7,6 +7,7 @@ from prompt_sets import HET8
 
 from margingate.engine import Request
 from margingate.engine.policy import VerifyJob
+from margingate.engine.sampling import SamplingParams
 
 TOKENS = 40
 
@@ -141,7 +142,7 @@ def test_dvr_padded_pass_is_independent_of_its_neighbours(llm, ids):
 
 def test_sampling_is_reproducible_when_seeded(llm, ids):
     """temperature > 0 with a seed: the same tokens alone and in a batch; another seed differs."""
-    make = lambda seed, x: Request(x, 16, llm.policy("margin"), temperature=0.8, seed=seed)  # noqa: E731
+    make = lambda seed, x: Request(x, 16, llm.policy("margin"), sampling=SamplingParams(0.8, seed))  # noqa: E731
     alone = llm.engine.generate([make(7, ids[0])])[0].token_ids
     mixed = llm.engine.generate([make(7, ids[0]), *[make(1, x) for x in ids[1:6]]])
     assert mixed[0].token_ids == alone

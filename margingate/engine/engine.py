@@ -12,9 +12,10 @@ from tqdm import tqdm
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..prefix_cache import PrefixCache
+from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
 from .runner import Runner
-from .sampler import scores
+from .sampling import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 
@@ -105,9 +106,14 @@ class Engine:
                              f"({self.max_len} positions, room for at least one new token needed)")
         if max(request.prompt_ids) >= self.model.config.vocab_size or min(request.prompt_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary range")
+        request.sampling.check_vocab(self.model.config.vocab_size)
         stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
         seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop))
         seq.state = seq.policy.new_state(seq)
+        if request.share_prefill is not None and request.sampling.prompt_logprobs is None:
+            seq.fork_of = next((s for s in [*self.scheduler.running, *self.scheduler.waiting]
+                                if s.request_id == request.share_prefill
+                                and s.request.prompt_ids == request.prompt_ids), None)
         self.scheduler.add(seq)
         return seq
 
@@ -133,8 +139,7 @@ class Engine:
             torch.set_num_threads(self.num_threads)
         self._finished, self._aborted = self._aborted, []
         for seq in self.scheduler.admit():
-            if self.prefix is not None:  # start the prompt where its cached prefix ends
-                seq.prefilled = seq.cached_tokens = self.prefix.load(seq.request.prompt_ids, self.kv, seq.slot)
+            self._start(seq)
         chunk = self.config.prefill_chunk
         prefills = [(s, s.prefilled, s.prompt_len if chunk is None else min(s.prompt_len, s.prefilled + chunk))
                     for s in self.scheduler.running if s.prefilled < s.prompt_len]
@@ -146,32 +151,74 @@ class Engine:
         out = self.runner.step(prefills, batch)
         self._count("decode" if batch else "prefill", t, rows=len(batch))
         self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
-        started = []
-        for (seq, _, end), logits in zip(prefills, out):
-            seq.prefilled = end
-            if logits is not None:  # the prompt is complete: its last row chooses the first token
-                seq.output_ids.append(int(torch.argmax(scores(seq, logits, seq.prompt_len))))
-                if self.prefix is not None:  # the prompt path's K/V, before any decode write
-                    self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
-                started.append(seq)
+        started = self._prefilled(prefills, out[:len(prefills)])
         if batch:
-            logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, out[len(prefills):])])
-            jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
-            if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
-                jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
-            verified = self._verify([j for j in jobs if j is not None])
-            for seq, row, job in zip(batch, logits, jobs):
-                seq.steps += 1
-                seq.policy.commit(seq, row, verified.get(id(job)))
+            self._decode(batch, [rows[-1] for rows in out[len(prefills):]])
         self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
         self.step_count += 1
         return self._finished
 
-    def _verify(self, jobs: list[VerifyJob]) -> dict[int, torch.Tensor]:
+    def _start(self, seq: Sequence) -> None:
+        """A request just got its slot: start its prompt where a sibling's or a cached prefix ends."""
+        if seq.fork_of is not None:  # one of n samples: the sibling's prompt K/V, all but the last row
+            seq.prefilled = seq.cached_tokens = seq.fork_of.prompt_len - 1
+            self.kv.copy_span(seq.fork_of.slot, seq.slot, 0, seq.prefilled)
+            seq.fork_of = None
+        elif self.prefix is not None and seq.request.sampling.prompt_logprobs is None:
+            seq.prefilled = seq.cached_tokens = self.prefix.load(seq.request.prompt_ids, self.kv, seq.slot)
+
+    def _prefilled(self, prefills: list[tuple[Sequence, int, int]], out: list) -> list[Sequence]:
+        """After the forward: prompt logprobs, and the first token of each prompt now complete."""
+        started = []
+        for (seq, start, end), rows in zip(prefills, out):
+            seq.prefilled = end
+            k = seq.request.sampling.prompt_logprobs
+            if k is not None:  # row i chooses position start + i + 1; the prompt's first token has none
+                n = min(end, seq.prompt_len - 1) - start
+                seq.prompt_logprobs += [None] * (start == 0) + logprobs_of(rows[:n], seq.tokens(start + 1,
+                                                                                         start + 1 + n), k)
+            if end < seq.prompt_len:
+                continue
+            if seq.request.max_new_tokens:  # the prompt's last row chooses the first token
+                seq.output_ids.append(int(torch.argmax(scores(seq, rows[-1], seq.prompt_len))))
+                self._record(seq, seq.prompt_len - 1, rows[-1:])
+            if self.prefix is not None:  # the prompt path's K/V, before any decode write
+                self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
+            started.append(seq)
+        return started
+
+    def _decode(self, batch: list[Sequence], rows: list[torch.Tensor]) -> None:
+        """Each running request's decode row: the policies propose, verify, commit."""
+        logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, rows)])
+        jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
+        if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
+            jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
+        verified = self._verify([j for j in jobs if j is not None])
+        for seq, row, raw, job in zip(batch, logits, rows, jobs):
+            seq.steps += 1
+            chosen, canonical = verified.get(id(job), (None, None))
+            seq.policy.commit(seq, row, chosen)
+            if canonical is not None:  # the verifier's rows replace the fast ones they recomputed
+                self._record(seq, job.start, canonical)
+            if len(seq.logprobs) < len(seq.output_ids):
+                self._record(seq, seq.num_tokens - 2, raw[None])
+
+    def _record(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """Logprobs of the output tokens that rows (at positions first, first + 1, ...) choose."""
+        k = seq.request.sampling.logprobs
+        lo, hi = max(first + 1, seq.prompt_len), min(first + 1 + rows.shape[0], seq.num_tokens)
+        if k is None or lo >= hi:
+            return
+        entries = logprobs_of(rows[lo - first - 1:hi - first - 1], seq.tokens(lo, hi), k)
+        at = lo - seq.prompt_len
+        seq.logprobs[at:at + len(entries)] = entries
+
+    def _verify(self, jobs: list[VerifyJob]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each job's rows: (the scores its policy chooses from, the raw logits)."""
         if not jobs:
             return {}
         t = time.perf_counter()
-        out = [scores(j.seq, rows, j.start + 1) for j, rows in zip(jobs, self.runner.verify(jobs))]
+        out = [(scores(j.seq, rows, j.start + 1), rows) for j, rows in zip(jobs, self.runner.verify(jobs))]
         self._count("verify", t, rows=sum(j.rows for j in jobs))
         return {id(j): o for j, o in zip(jobs, out)}
 
@@ -183,7 +230,10 @@ class Engine:
             still = []
             for seq in stopping:
                 job = jobs[id(seq)]
-                if job is None or seq.policy.confirm_finish(seq, verified[id(job)]):
+                confirmed = job is None or seq.policy.confirm_finish(seq, verified[id(job)][0])
+                if job is not None:
+                    self._record(seq, job.start, verified[id(job)][1])
+                if confirmed:
                     seq.finish_reason = seq.should_stop(self.max_len) or "stop"
                     self.scheduler.remove(seq)
                     self._finished.append(seq)
@@ -199,8 +249,11 @@ class Engine:
 
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:
+        sp = seq.request.sampling
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
-                      seq.finish_reason or "aborted", seq.policy.report(seq), seq.cached_tokens)
+                      seq.finish_reason or "aborted", seq.policy.report(seq), seq.cached_tokens,
+                      list(seq.logprobs) if sp.logprobs is not None else None,
+                      list(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None)
 
     def release(self, seq: Sequence, finished: bool) -> list[int]:
         """The tokens of `seq` its policy lets go since the last call (all of them once finished)."""

@@ -40,12 +40,15 @@ class Runner:
 
     def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
         """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
-        Returns, in that order, fp32 logits for each: a prompt chunk's last row if it ends
-        the prompt (else None), each decode row's. Decode rows whose policy computes in
-        another dtype (LayerCast) run in their own forward."""
+        Returns, in that order, fp32 logits rows [n, vocab] for each: a prompt chunk's last row if
+        it ends the prompt (else None), or all its rows if the request wants prompt logprobs;
+        each decode row's. Decode rows whose policy computes in another dtype (LayerCast) run in
+        their own forward."""
         # Prompts always go through the invariant kernels: a prompt's K/V is then the same
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
-        spans = [Span(s, a, b, exact=True, invariant=True, want=int(b == s.prompt_len)) for s, a, b in prefills]
+        spans = [Span(s, a, b, exact=True, invariant=True,
+                      want=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
+                 for s, a, b in prefills]
         spans += [Span(s, s.last_pos, s.num_tokens, exact=s.policy.invariant_decode,
                        invariant=not s.policy.library_kernels) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
@@ -54,7 +57,7 @@ class Runner:
             idx = [i for i, d in enumerate(dtypes) if d == dtype]
             part = [spans[i] for i in idx]
             for i, logits in zip(idx, self._run(part, dtype, any(s.invariant for s in part))):
-                out[i] = None if logits is None else logits[-1]
+                out[i] = logits
         return out
 
     def verify(self, jobs: list[VerifyJob]) -> list[torch.Tensor]:

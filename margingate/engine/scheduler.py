@@ -17,14 +17,29 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Give free slots to waiting requests, oldest first; a full engine queues, never fails."""
-        admitted = []
-        while self.waiting and self.kv.num_free:
+        """Give free slots to waiting requests, oldest first; a full engine queues, never fails.
+        A fork (one of n samples) waits until its sibling's prompt is prefilled, without holding
+        up the requests behind it."""
+        admitted, held = [], deque()
+        while self.waiting:
             seq = self.waiting.popleft()
+            if not self.kv.num_free or self._waits_for_sibling(seq, held):
+                held.append(seq)
+                continue
             seq.cache = self.kv.view(self.kv.allocate())
             admitted.append(seq)
-        self.running += admitted
+            self.running.append(seq)
+        self.waiting = held
         return admitted
+
+    def _waits_for_sibling(self, seq: Sequence, held: deque[Sequence]) -> bool:
+        sibling = seq.fork_of
+        if sibling is None:
+            return False
+        if sibling.prompt_len < 2 or not any(sibling in q for q in (self.running, self.waiting, held)):
+            seq.fork_of = None  # nothing to copy, or the sibling is gone: prefill in full
+            return False
+        return sibling.prefilled < sibling.prompt_len - 1
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:

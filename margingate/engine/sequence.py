@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import itertools
-import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .logprobs import TokenLogprob
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..kv_cache import SlotView
@@ -24,19 +25,19 @@ class Request:
     ignore_eos: bool = False
     request_id: str | None = None
     arrival_step: int = 0                  # for replayable staggered arrivals in `generate`
-    temperature: float = 0.0               # 0: greedy; > 0: Gumbel-max sampling keyed by `seed`
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    # the request id of a request with the same prompt (one of n samples): once that one's prompt is
+    # prefilled, this one copies its K/V instead of computing them again (the same bits: prompts run
+    # the invariant kernels)
+    share_prefill: str | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature > 0 and self.seed is None:
-            self.seed = int.from_bytes(os.urandom(7), "little")  # sampling still works, unreproducibly
+        self.sampling = self.sampling.seeded()
         if not self.prompt_ids:
             raise ValueError("empty prompt: at least one prompt token is required")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0 (0: score the prompt only), "
+                             f"got {self.max_new_tokens!r}")
         if self.request_id is None:
             self.request_id = f"req-{next(_ids)}"
 
@@ -49,6 +50,8 @@ class Result:
     finish_reason: str
     stats: dict[str, Any]
     cached_tokens: int = 0                 # prompt positions taken from the prefix cache
+    logprobs: list[TokenLogprob] | None = None         # one per output token, if asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
 
 
 @dataclass(eq=False)  # identity: two requests are never the same sequence
@@ -64,6 +67,11 @@ class Sequence:
     released: int = 0                      # output tokens already handed to the caller
     finish_reason: str | None = None
     state: Any = None                      # the policy's memory of this request (Policy.new_state)
+    fork_of: Sequence | None = None        # `share_prefill`'s sequence, until its K/V are copied
+    # logprobs of each output token, from the row that chose it, replaced by the verifier's
+    # (canonical) row when one recomputes its position
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -101,6 +109,7 @@ class Sequence:
         if num_tokens <= self.prompt_len:
             raise ValueError("the prompt is never rolled back: keep at least one output token")
         del self.output_ids[num_tokens - self.prompt_len:]
+        del self.logprobs[num_tokens - self.prompt_len:]
         self.released = min(self.released, len(self.output_ids))
 
     def should_stop(self, max_len: int) -> str | None:

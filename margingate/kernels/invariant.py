@@ -135,6 +135,17 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ops().gelu_tanh_mul(gate_up.contiguous())
 
 
+def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(row))) of each fp32 row [R, V], in csrc/logits.cpp's fixed order (one thread per row,
+    no libm): the log-softmax of a row is then `row - lse`, the same bits wherever the row came from."""
+    return ops().logsumexp_rows(logits.float().contiguous())
+
+
+def exp_shifted(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """exp(row - shift[row]) of fp32 rows [R, V] with the contract's exp (no libm, no ISA dispatch)."""
+    return ops().exp_shifted(logits.float().contiguous(), shift.float().contiguous())
+
+
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,

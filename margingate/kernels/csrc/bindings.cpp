@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
+  m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
+  m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
   m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");

@@ -36,6 +36,10 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out);
 void add_into(at::Tensor& h, const at::Tensor& y);
 
+// logits.cpp: per-row log-sum-exp and exp(x - shift) of fp32 logits, in a fixed order
+at::Tensor logsumexp_rows(const at::Tensor& x);
+at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift);
+
 // stack.cpp
 void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
