@@ -288,18 +288,31 @@ def test_malformed_bodies(http, body, status, needle):
 
 
 @pytest.mark.parametrize("fields, param, needle", [
-    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 0}, "max_tokens", "only meaningful with echo"),
     ({"max_tokens": "8"}, "max_tokens", "integer"),
-    ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
+    ({"temperature": -0.5}, "temperature", "[0, 2]"),
     ({"temperature": "hot"}, "temperature", "number"),
-    ({"temperature": 7}, "temperature", "less than or equal to 2"),
-    ({"n": 2}, "n", "only n=1"),
-    ({"top_p": 0.5}, "top_p", "top_p=1"),
-    ({"best_of": 3}, "best_of", "best_of=1"),
-    ({"logprobs": 2}, "logprobs", "not supported"),
+    ({"temperature": 7}, "temperature", "[0, 2]"),
+    ({"n": 17}, "n", "less than or equal to 16"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"min_p": 1.5}, "min_p", "[0, 1]"),
+    ({"min_p": -0.1}, "min_p", "[0, 1]"),
+    ({"top_k": -2}, "top_k", "top_k must be an integer"),
+    ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 10]"),
+    ({"logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"the": 1}}, "logit_bias", "token ids"),
+    ({"best_of": 3}, "best_of", "best_of = n"),
+    ({"logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"echo": True, "n": 2, "logprobs": 1}, "echo", "n > 1"),
+    ({"suffix": "x"}, "suffix", "not supported"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({"seed": 2 ** 70}, "seed", "less than"),
+    ({"seed": 2 ** 70}, "seed", "64-bit"),
     ({"determinsm": {}}, "determinsm", "unknown field"),
     ({"determinism": {"policy": "magic"}}, "determinism.policy", "unknown policy"),
     ({"determinism": {"strict": "no"}}, "determinism.strict", "boolean"),
@@ -314,7 +327,7 @@ def test_malformed_bodies(http, body, status, needle):
     ({"deterministic": True, "determinism": {"policy": "layercast"}}, "determinism.policy", "promises determinism"),
     ({"deterministic": True, "temperature": 0.7}, "seed", "needs a seed"),
     ({"determinism": {"policy": "dvr"}, "temperature": 1.0}, "seed", "needs a seed"),
-    ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["x"] * 65}, "prompt", "at most 64 prompts"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, "x"]}, "prompt", "token ids"),
     ({"prompt": None}, "prompt", "required"),
@@ -335,6 +348,12 @@ def test_bad_chat_bodies(http):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("x"), "max_tokens": 2,
                                                 "max_completion_tokens": 3})
     assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+    for fields, param, needle in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+                                  ({"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
+                                  ({"echo": True}, "echo", "unknown field")]:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("x"), **fields})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and needle in err["message"], (fields, err)
 
 
 def test_too_long_prompt_and_bad_token_ids(http, client, server):

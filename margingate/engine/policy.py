@@ -68,6 +68,14 @@ class Policy:
     #: what picked this policy when the caller did not name it ("auto"), for the report
     chosen_by: str | None = None
 
+    @property
+    def guarantees_logprobs(self) -> bool:
+        """Are the reported logprobs batch-invariant too? Wherever the tokens are: the engine records
+        a token's logprobs from the row that chose it, replaced by the verifier's row whenever one
+        recomputes its position, and a deterministic policy releases a token only once the row it
+        came from is canonical (an invariant decode row, or the verifier's)."""
+        return self.deterministic
+
     @classmethod
     def from_spec(cls, spec, default_tau: float) -> Policy:
         """Build from a validated `PolicySpec`; options this policy does not use are ignored."""

@@ -1,6 +1,7 @@
 """Tokenizer with its chat template (the HF tokenizer files in the model folder)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ..data.prompts import Prompt
@@ -15,6 +16,7 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure here means the folder lacks a usable tokenizer
             raise FileNotFoundError(f"no usable tokenizer in {folder}: {exc}") from exc
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        self._bytes: dict[int, bytes] = {}
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
@@ -35,3 +37,27 @@ class Tokenizer:
 
     def token_str(self, token_id: int) -> str:
         return self._tok.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a byte-level BPE piece may be half a character, which `token_str`
+        shows as U+FFFD); for other tokenizers, the UTF-8 of its text."""
+        if token_id not in self._bytes:
+            piece = self._tok.convert_ids_to_tokens(token_id)
+            table = _byte_decoder()
+            raw = bytes(table[c] for c in piece) if piece and all(c in table for c in piece) else None
+            self._bytes[token_id] = raw if raw is not None else self.token_str(token_id).encode()
+        return self._bytes[token_id]
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable stand-ins for the 256 byte values, reversed."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

@@ -1,11 +1,12 @@
-"""A generation request once accepted: the worker's per-request events turned into text deltas and a
-final result, the response's envelope, usage and determinism report, and the non-streaming answer."""
+"""A generation request once accepted: its choices (n samples of each prompt), the worker's
+per-request events turned into text deltas with their logprobs, the response's envelope, usage
+and determinism report, and the non-streaming answer."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine import Request, Result
 from ..engine.policy import Policy
 from .errors import RequestFailed, json_error
+from .logprobs import merge_completion
 from .protocol import OPENAI_FINISH, finite
 from .state import ServerState
 from .text import TextAssembler
@@ -21,14 +23,37 @@ from .worker import Handle
 
 
 @dataclass
+class Choice:
+    """One answer of a request: sample j of prompt p is choice p * n + j."""
+    index: int
+    prompt_index: int
+    prompt_text: str | None        # the prompt as the client sent it (echo), None if sent as ids
+    request: Request
+
+
+@dataclass
 class Job:
     """One generation request, parsed and validated."""
     kind: str                      # "completion" or "chat"
     params: Any
-    request: Request
     policy: Policy
     deterministic: bool
     id: str
+    choices: list[Choice]
+
+    @property
+    def echo(self) -> bool:
+        return bool(getattr(self.params, "echo", False))
+
+
+@dataclass
+class Outcome:
+    """What one choice produced, as the client sees it."""
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)     # one TokenLogprob per id (if asked)
+    reason: str | None = None
+    result: Result | None = None
 
 
 # --- response pieces ---------------------------------------------------------------------
@@ -37,17 +62,19 @@ NOT_GUARANTEED = ("strict is off: tokens were released before the verifier saw t
                   "is not taken back, so this output may differ from the same request alone")
 
 
-def determinism_report(state: ServerState, job: Job, result: Result) -> dict:
-    req = job.request
+def determinism_report(state: ServerState, job: Job, choice: Choice, result: Result) -> dict:
+    sp = choice.request.sampling
     guaranteed = job.policy.deterministic  # with these options (a non-strict margin is not)
+    wants_logprobs = sp.logprobs is not None or sp.prompt_logprobs is not None
     return finite({
         "deterministic": job.deterministic,
         "batch_invariant": guaranteed,
         "guaranteed": job.deterministic and guaranteed,
         **({"warning": NOT_GUARANTEED} if job.deterministic and not guaranteed else {}),
+        **({"logprobs_guaranteed": job.policy.guarantees_logprobs} if wants_logprobs else {}),
         **result.stats,
-        "temperature": req.temperature,
-        "seed": req.seed if req.temperature > 0 else None,
+        "temperature": sp.temperature,
+        "seed": sp.seed if sp.temperature > 0 else None,
         "engine_finish_reason": result.finish_reason,
         "environment": state.environment,
     })
@@ -58,12 +85,34 @@ def envelope(state: ServerState, job: Job) -> dict:
             "created": int(time.time()), "model": state.model_id, "system_fingerprint": state.fingerprint}
 
 
-def usage(job: Job, completion_tokens: int, result: Result | None = None) -> dict:
-    n = len(job.request.prompt_ids)
-    out = {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
-    if result is not None:  # as OpenAI reports it: prompt positions served from the prefix cache
-        out["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
+    """Prompt tokens once per prompt (its n samples share the prefill), completion tokens per choice."""
+    prompts = {c.prompt_index: len(c.request.prompt_ids) for c in job.choices}
+    n_prompt, n_out = sum(prompts.values()), sum(len(o.ids) for o in outcomes.values())
+    out = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    results = [o.result for o in outcomes.values() if o.result is not None]
+    if results:  # as OpenAI reports it: prompt positions served from the prefix cache (or a sibling)
+        out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in results)}
     return out
+
+
+def echo_text(state: ServerState, choice: Choice) -> str:
+    return choice.prompt_text if choice.prompt_text is not None else state.decode(choice.request.prompt_ids)
+
+
+def logprobs_body(state: ServerState, job: Job, choice: Choice, outcome: Outcome, echo: tuple | None):
+    """The choice's `logprobs`: OpenAI's shape for the route; `echo` = (prompt text, prompt logprobs)."""
+    sp = choice.request.sampling
+    if sp.logprobs is None:
+        return None
+    if job.kind == "chat":
+        return state.formatter.chat(outcome.logprobs)
+    parts = []
+    if echo is not None:
+        parts.append(state.formatter.completion(choice.request.prompt_ids, echo[1], 0))
+    start = len(echo[0]) if echo is not None else 0
+    parts.append(state.formatter.completion(outcome.ids, outcome.logprobs, start))
+    return merge_completion(parts)
 
 
 # --- the worker's events -> deltas ---------------------------------------------------------
@@ -73,31 +122,68 @@ async def next_event(handle: Handle) -> tuple[str, Any]:
 
 
 async def run_job(state: ServerState, handle: Handle, assembler: TextAssembler) -> AsyncIterator[tuple]:
-    """Yields ("delta", text, ids) then ("final", finish_reason, result); raises RequestFailed."""
-    pending_ids: list[int] = []
+    """Yields ("prompt", logprobs) (echo), ("delta", text, ids, logprobs), then ("final", finish_reason,
+    result); raises RequestFailed."""
+    pending_ids, pending_lps = [], []
     while True:
         kind, payload = await next_event(handle)
         if kind == "error":
             raise RequestFailed(*payload)
-        if kind == "tokens":
+        if kind == "prompt":
+            yield ("prompt", payload)
+        elif kind == "tokens":
+            ids, lps = payload
             if assembler.stopped:
                 continue
-            before = len(assembler.ids)
-            text = assembler.feed(payload)
-            pending_ids += assembler.ids[before:]
+            text = assembler.feed(ids)
+            pending_ids += ids
+            pending_lps += lps or []
             if assembler.stopped:
                 state.worker.abort(handle, "stop")
             if text or assembler.stopped:
-                yield ("delta", text, pending_ids)
-                pending_ids = []
+                yield ("delta", text, pending_ids, pending_lps)
+                pending_ids, pending_lps = [], []
         elif kind == "done":
             result: Result = payload
             text = assembler.flush()
             if text or pending_ids:
-                yield ("delta", text, pending_ids)
+                yield ("delta", text, pending_ids, pending_lps)
             reason = "stop" if assembler.stopped else OPENAI_FINISH.get(result.finish_reason, "stop")
             yield ("final", reason, result)
             return
+
+
+async def merged(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[tuple[Choice, tuple]]:
+    """Every choice's events as they come, tagged with the choice; the first failure raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice, handle: Handle) -> None:
+        try:
+            async for ev in run_job(state, handle, TextAssembler(state.decode, job.params.stop_strings)):
+                await queue.put((choice, ev))
+        except RequestFailed as exc:
+            await queue.put((choice, exc))
+        await queue.put((choice, None))
+
+    tasks = [asyncio.ensure_future(pump(c, h)) for c, h in zip(job.choices, handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            choice, ev = await queue.get()
+            if isinstance(ev, RequestFailed):
+                raise ev
+            if ev is None:
+                remaining -= 1
+            else:
+                yield choice, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def abort_all(state: ServerState, handles: list[Handle], reason: str) -> None:
+    for h in handles:
+        state.worker.abort(h, reason)
 
 
 # --- the non-streaming answer ----------------------------------------------------------------
@@ -109,46 +195,65 @@ async def wait_disconnect(req: HTTPRequest) -> None:
             return
 
 
-async def collect(state: ServerState, job: Job, handle: Handle) -> tuple[str, list[int], tuple]:
-    """The whole answer: (text, token ids, ("final", finish_reason, result))."""
-    assembler = TextAssembler(state.decode, job.params.stop_strings)
-    parts, ids, final = [], [], None
-    async for ev in run_job(state, handle, assembler):
-        if ev[0] == "delta":
-            parts.append(ev[1])
-            ids += ev[2]
+async def collect(state: ServerState, job: Job, handles: list[Handle]) -> tuple[dict[int, Outcome], dict]:
+    """Every choice's whole answer, and each echo's prompt logprobs."""
+    outcomes = {c.index: Outcome() for c in job.choices}
+    prompt_lps: dict[int, list] = {}
+    async for choice, ev in merged(state, job, handles):
+        o = outcomes[choice.index]
+        if ev[0] == "prompt":
+            prompt_lps[choice.index] = ev[1]
+        elif ev[0] == "delta":
+            o.text += ev[1]
+            o.ids += ev[2]
+            o.logprobs += ev[3]
         else:
-            final = ev
-    return "".join(parts), ids, final
+            o.reason, o.result = ev[1], ev[2]
+    return outcomes, prompt_lps
 
 
-async def complete(state: ServerState, job: Job, handle: Handle, req: HTTPRequest) -> Response:
-    """Runs the request to its end, or aborts it (freeing its KV slot) when the client goes away."""
-    task = asyncio.ensure_future(collect(state, job, handle))
+async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest) -> Response:
+    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away."""
+    task = asyncio.ensure_future(collect(state, job, handles))
     gone = asyncio.ensure_future(wait_disconnect(req))
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
-            state.worker.abort(handle, "disconnect")
+            abort_all(state, handles, "disconnect")
         gone.cancel()
     if task not in done:
         return Response(status_code=499)  # nobody is listening
     try:
-        text, ids, (_, reason, result) = task.result()
+        outcomes, prompt_lps = task.result()
     except RequestFailed as exc:
+        abort_all(state, handles, "aborted")
         return json_error(exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
-    return JSONResponse(completion_body(state, job, text, ids, reason, result))
+    return JSONResponse(completion_body(state, job, outcomes, prompt_lps))
 
 
-def completion_body(state: ServerState, job: Job, text: str, ids: list[int], reason: str, result: Result) -> dict:
-    body = envelope(state, job)
-    choice = {"index": 0, "finish_reason": reason, "logprobs": None, "token_ids": ids}
+def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome, prompt_lps: list | None) -> dict:
+    body = {"index": choice.index, "finish_reason": o.reason, "token_ids": o.ids}
     if job.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    body.update(choices=[choice], usage=usage(job, len(ids), result),
-                determinism=determinism_report(state, job, result))
+        body["message"] = {"role": "assistant", "content": o.text}
+        body["logprobs"] = logprobs_body(state, job, choice, o, None)
+        return body
+    echo = None
+    if job.echo:
+        echo = (echo_text(state, choice), prompt_lps or o.result.prompt_logprobs)
+        body["prompt_token_ids"] = choice.request.prompt_ids
+    body["text"] = (echo[0] if echo else "") + o.text
+    body["logprobs"] = logprobs_body(state, job, choice, o, echo)
+    return body
+
+
+def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], prompt_lps: dict) -> dict:
+    body = envelope(state, job)
+    body["choices"] = [choice_body(state, job, c, outcomes[c.index], prompt_lps.get(c.index)) for c in job.choices]
+    reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
+    if len(reports) > 1:
+        for choice, report in zip(body["choices"], reports):
+            choice["determinism"] = report
+    body.update(usage=usage(job, outcomes), determinism=reports[0])
     return body

@@ -12,8 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from ..data.prompts import Prompt
 from ..engine import Request
 from ..engine.policy import Policy
+from ..engine.sampling import SamplingError, SamplingParams
 from ..policies import PolicyOptionError, PolicySpec, deterministic_policies
-from .jobs import Job
+from .jobs import Choice, Job
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
 from .state import ServerState
 
@@ -80,17 +81,28 @@ def check_seed(deterministic: bool, temperature: float, seed: int | None) -> Non
                          param="seed", code="seed_required")
 
 
-async def prompt_ids(state: ServerState, params, kind: str) -> list[int]:
-    """The prompt's token ids: given as ids, or the text / chat messages encoded."""
+def sampling_params(state: ServerState, params, kind: str) -> SamplingParams:
+    """The body's sampling and logprobs options, checked by `SamplingParams` (the one validator);
+    a refusal names this protocol's field."""
+    names = {"logprobs": "top_logprobs"} if kind == "chat" else {"prompt_logprobs": "logprobs"}
+    try:
+        sampling = SamplingParams(**params.sampling_options())
+        sampling.check_vocab(state.llm.config.vocab_size)
+    except SamplingError as exc:
+        raise BadRequest(str(exc), param=names.get(exc.option, exc.option)) from None
+    return sampling.seeded()  # one seed for the request: sample j of n takes seed + j
+
+
+async def prompts(state: ServerState, params, kind: str) -> list[tuple[list[int], str | None]]:
+    """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
     if kind == "chat":
-        prompt = Prompt("chat", tuple({"role": m.role, "content": m.text()} for m in params.messages), None, "http")
-    else:
-        prompt = params.prompt
-    if isinstance(prompt, list):
-        return prompt
-    if isinstance(prompt, str):
-        prompt = Prompt("text", None, prompt, "http")
-    return await run_in_threadpool(state.encode, prompt)
+        chat = Prompt("chat", tuple({"role": m.role, "content": m.text()} for m in params.messages), None, "http")
+        return [(await run_in_threadpool(state.encode, chat), None)]
+    out = []
+    for p in params.prompt:
+        ids = p if isinstance(p, list) else await run_in_threadpool(state.encode, Prompt("text", None, p, "http"))
+        out.append((ids, p if isinstance(p, str) else None))
+    return out
 
 
 def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
@@ -112,16 +124,21 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
     params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
     policy, deterministic = build_policy(state, params)
-    temperature = params.greedy_temperature
-    check_seed(deterministic, temperature, params.seed)
+    sampling = sampling_params(state, params, kind)
+    check_seed(deterministic, sampling.temperature, params.seed)
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    n, choices = params.choices_per_prompt, []
     try:
-        ids = await prompt_ids(state, params, kind)
-        max_tokens = token_budget(state, params, kind, len(ids))
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        request = Request(list(ids), max_tokens, policy, ignore_eos=params.ignore_eos, request_id=rid,
-                          temperature=temperature, seed=params.seed)
+        for p, (ids, text) in enumerate(await prompts(state, params, kind)):
+            max_tokens = token_budget(state, params, kind, len(ids))
+            for j in range(n):  # samples after the first copy its prompt K/V (share_prefill)
+                index = p * n + j
+                request = Request(list(ids), max_tokens, policy, ignore_eos=params.ignore_eos,
+                                  request_id=rid if index == 0 else f"{rid}-{index}", sampling=sampling.for_sample(j),
+                                  share_prefill=choices[-j].request.request_id if j else None)
+                choices.append(Choice(index, p, text, request))
     except BadRequest:
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, request, policy, deterministic, rid)
+    return Job(kind, params, policy, deterministic, rid, choices)

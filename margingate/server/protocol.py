@@ -1,31 +1,37 @@
 """Request bodies of the OpenAI-compatible API, validated (pydantic), and the response shapes.
 
 What is supported, and what is refused with a 400 naming the field:
-- one choice per request: `n` must be 1; `best_of` must be 1; `echo`, `suffix`,
-  `logprobs`, `logit_bias`, penalties and `top_p` other than their neutral values are refused;
-- `prompt` (completions): a string, a list of token ids, or a list holding exactly one of
-  those (several prompts per request are refused: send one request each);
+- `n` up to MAX_N choices per prompt; `best_of` only equal to `n`; `suffix` is refused;
+- `prompt` (completions): a string, a list of token ids, or a list of up to MAX_PROMPTS of
+  those (choice i*n + j is sample j of prompt i);
+- sampling (`top_p`, `top_k`, `min_p`, `presence_penalty`, `frequency_penalty`,
+  `repetition_penalty`, `logit_bias`) and logprobs (completions: `logprobs: k`, `echo`;
+  chat: `logprobs: true` + `top_logprobs: k`): the values are checked by `SamplingParams`,
+  the one validator, and a bad one is a 400 naming this protocol's field;
 - `messages` (chat): roles system / user / assistant, content a string or a list of
   {"type": "text", "text": ...} parts;
 - `temperature` defaults to 0 (greedy), unlike OpenAI's 1: the server's point is reproducible
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
 - `stop`: a string or up to 4 strings (the text is cut before the stop string);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
-  verifier_precision, defer, window, group}, `ignore_eos` (bool);
+  verifier_precision, defer, window, group}, `ignore_eos` (bool), `top_k`, `min_p`,
+  `repetition_penalty`;
 - unknown fields are refused (a misspelt `determinism` must not silently run undeterministic).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
+MAX_N = 16          # choices per prompt
+MAX_PROMPTS = 64    # prompts per completions request
 GREEDY_BELOW = 1e-5
-INT64 = 2 ** 63
 
 
 class BadRequest(ValueError):
@@ -63,6 +69,9 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         if first is None and loc:
             first = loc
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        named = re.match(r"(\w+): ", msg) if not loc else None  # a check across fields names its field
+        if named and first is None:
+            first = named.group(1)
         if err.get("type") == "extra_forbidden":
             msg = "unknown field (not supported by this server)"
         parts.append(f"{loc}: {msg}" if loc else msg)
@@ -118,16 +127,7 @@ class ChatMessage(BaseModel):
 
 # OpenAI fields accepted only at their neutral values: field -> (accepted, message otherwise).
 NEUTRAL = {
-    "n": ((None, 1), "only n=1 is supported (got {v}); send one request per completion"),
-    "best_of": ((None, 1), "only best_of=1 is supported (got {v})"),
-    "top_p": ((None, 1), "only top_p=1 is supported (got {v}): sampling is full-vocabulary Gumbel-max"),
-    "presence_penalty": ((None, 0), "penalties are not supported (got {v}); use 0 or leave it out"),
-    "frequency_penalty": ((None, 0), "penalties are not supported (got {v}); use 0 or leave it out"),
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
-    "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
-    "logprobs": ((None, 0), "logprobs are not supported"),
-    "top_logprobs": ((None, 0), "logprobs are not supported"),
 }
 
 
@@ -135,19 +135,22 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    max_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
+    temperature: float | None = Field(default=None, allow_inf_nan=False)
     top_p: float | None = Field(default=None, allow_inf_nan=False)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    seed: int | None = None
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
     deterministic: bool | None = None
     determinism: DeterminismOptions | None = None
     ignore_eos: bool = False
@@ -159,6 +162,29 @@ class _Common(BaseModel):
         if v not in accepted:
             raise ValueError(message.format(v=v))
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if v is not None and not all(k.strip().isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers, as strings)")
+        return v
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    def sampling_options(self) -> dict:
+        """The `SamplingParams` keywords this body sets (logprobs: the subclass adds them)."""
+        opts = {"temperature": self.greedy_temperature, "seed": self.seed,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
+        for name, value in (("top_p", self.top_p), ("top_k", self.top_k), ("min_p", self.min_p),
+                            ("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty),
+                            ("repetition_penalty", self.repetition_penalty)):
+            if value is not None:
+                opts[name] = value
+        return opts
 
     @field_validator("stop")
     @classmethod
@@ -182,7 +208,7 @@ class _Common(BaseModel):
     @property
     def greedy_temperature(self) -> float:
         t = self.temperature or 0.0
-        return 0.0 if t < GREEDY_BELOW else float(t)
+        return 0.0 if 0 <= t < GREEDY_BELOW else t
 
     @property
     def streaming(self) -> bool:
@@ -202,24 +228,43 @@ class CompletionRequest(_Common):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v):
-        """A string or a list of token ids; a list holding exactly one of those is unwrapped."""
+        """A string or a list of token ids, or a list of those: always a list of prompts here."""
         if v is None:
             raise ValueError("a prompt is required")
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]
-        elif isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
-            raise ValueError(f"one prompt per request (got {len(v)}); send one request each")
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("the prompt is empty")
-            return v
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("the prompt is empty")
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ValueError("a prompt must be a string or a list of integer token ids")
-            return list(v)
-        raise ValueError(f"a prompt must be a string or a list of integer token ids, got {type(v).__name__}")
+        many = isinstance(v, list) and bool(v) and all(isinstance(x, (str, list)) for x in v)
+        prompts = list(v) if many else [v]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)})")
+        return [_one_prompt(p) for p in prompts]
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.best_of is not None and self.best_of != self.choices_per_prompt:
+            raise ValueError("best_of: only best_of = n is supported (every sample is returned)")
+        if self.echo and self.choices_per_prompt > 1:
+            raise ValueError("echo: echo with n > 1 is not supported (echo scores one sequence per prompt)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only meaningful with echo (scoring the prompt)")
+        return self
+
+    def sampling_options(self) -> dict:
+        k = self.logprobs
+        return {**super().sampling_options(), "logprobs": k,
+                "prompt_logprobs": (k or 0) if self.echo else None}
+
+
+def _one_prompt(v):
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return list(v)
+    raise ValueError(f"a prompt must be a string or a list of integer token ids, got {type(v).__name__}")
 
 
 class ChatCompletionRequest(_Common):
@@ -233,10 +278,17 @@ class ChatCompletionRequest(_Common):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be >= 1 for chat")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         return self
 
     def tokens_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_options(self) -> dict:
+        return {**super().sampling_options(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 # --- responses -------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..policies import PolicySpec
 from .errors import json_error
-from .jobs import Job, complete, next_event
+from .jobs import Job, abort_all, complete, next_event
 from .metrics import CONTENT_TYPE
 from .parsing import parse_job
 from .protocol import BadRequest
@@ -82,39 +82,45 @@ async def generate(state: ServerState, req: HTTPRequest, kind: str) -> Response:
     except BadRequest as exc:
         state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
         return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
-    handle = submit(state, job)
-    if isinstance(handle, Response):
-        return handle
-    return await answer(state, job, handle, req)
+    handles = submit(state, job)
+    if isinstance(handles, Response):
+        return handles
+    return await answer(state, job, handles, req)
 
 
-def submit(state: ServerState, job: Job) -> Handle | Response:
-    """The job handed to the engine thread, or the 429 / 503 that refuses it."""
+def submit(state: ServerState, job: Job) -> list[Handle] | Response:
+    """Every choice handed to the engine thread, or the 429 / 503 that refuses the request (none runs)."""
     retry = {"Retry-After": str(state.config.retry_after_s)}
+    handles: list[Handle] = []
     try:
-        return state.worker.submit(job.request)
+        for choice in job.choices:
+            handles.append(state.worker.submit(choice.request))
+        return handles
     except QueueFull as exc:
+        abort_all(state, handles, "aborted")
         state.metrics.inc("requests_rejected_total", reason="queue_full")
         return json_error(429, f"server busy: {exc}; retry later", code="queue_full", headers=retry)
     except ShuttingDown as exc:
+        abort_all(state, handles, "aborted")
         state.metrics.inc("requests_rejected_total", reason="unavailable")
         return json_error(503, str(exc), code="unavailable", headers=retry)
 
 
-async def answer(state: ServerState, job: Job, handle: Handle, req: HTTPRequest) -> Response:
-    """Once the engine took the request: a stream or the whole answer. Until one of them owns the
-    request, any way out (the engine's refusal, a cancelled handler) aborts it."""
+async def answer(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest) -> Response:
+    """Once the engine took the requests: a stream or the whole answer. Until one of them owns the
+    requests, any way out (the engine's refusal, a cancelled handler) aborts them."""
     handed_over = False
     try:
-        kind, payload = await next_event(handle)  # "accepted", or the engine refused it
-        if kind == "error":
-            status, message = payload
-            return json_error(status, message, param="messages" if job.kind == "chat" else "prompt",
-                              code="engine_error" if status >= 500 else "invalid_request")
+        for handle in handles:
+            kind, payload = await next_event(handle)  # "accepted", or the engine refused it
+            if kind == "error":
+                status, message = payload
+                return json_error(status, message, param="messages" if job.kind == "chat" else "prompt",
+                                  code="engine_error" if status >= 500 else "invalid_request")
         handed_over = True
         if job.params.streaming:
-            return EventStream(state.worker, handle, stream(state, job, handle))
-        return await complete(state, job, handle, req)
+            return EventStream(state.worker, handles, stream(state, job, handles))
+        return await complete(state, job, handles, req)
     finally:
         if not handed_over:
-            state.worker.abort(handle, "disconnect")
+            abort_all(state, handles, "disconnect")

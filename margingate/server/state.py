@@ -7,6 +7,7 @@ import time
 from ..data.prompts import Prompt
 from ..engine import Engine
 from .config import ServerConfig
+from .logprobs import LogprobFormatter
 from .metrics import Metrics
 from .worker import EngineWorker
 
@@ -23,6 +24,7 @@ class ServerState:
         self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
                             f"-t{engine.num_threads}")
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.formatter = LogprobFormatter(llm.tokenizer, self.tokenizer_lock)
         m, w = self.metrics, self.worker
         m.gauge("queue_length", "requests accepted and waiting for a KV slot", lambda: w.queue_length)
         m.gauge("running_requests", "requests holding a KV slot", lambda: w.running)

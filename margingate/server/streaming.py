@@ -1,5 +1,6 @@
-"""The streaming answer: server-sent events, one chunk per released delta, the final chunk with the
-determinism report (and usage), `data: [DONE]`; a client gone mid-stream frees its KV slot at once."""
+"""The streaming answer: server-sent events, one chunk per released delta of each choice (tagged
+with its index, carrying its logprobs), each choice's last chunk with its determinism report,
+usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV slots at once."""
 from __future__ import annotations
 
 import json
@@ -8,10 +9,9 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from .errors import RequestFailed
-from .jobs import Job, determinism_report, envelope, run_job, usage
+from .jobs import Choice, Job, Outcome, abort_all, determinism_report, echo_text, envelope, merged, usage
 from .protocol import error_body
 from .state import ServerState
-from .text import TextAssembler
 from .worker import EngineWorker, Handle
 
 DONE = b"data: [DONE]\n\n"
@@ -21,65 +21,97 @@ def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def chunk(job: Job, base: dict, text: str | None, ids: list[int], reason: str | None = None,
-          first: bool = False) -> dict:
-    """One chunk: a chat delta (the first names the role) or a completion's text."""
-    c: dict = {"index": 0, "finish_reason": reason, "logprobs": None, "token_ids": ids}
-    if job.kind == "chat":
-        delta: dict = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        c["delta"] = delta
-    else:
-        c["text"] = text or ""
-    return {**base, "choices": [c]}
+class ChunkWriter:
+    """Chunks of one response, each choice's text offsets (completions' logprobs) kept apart."""
+
+    def __init__(self, state: ServerState, job: Job):
+        self.state, self.job = state, job
+        self.base = envelope(state, job)
+        self.base["object"] = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        self.offsets = {c.index: 0 for c in job.choices}
+
+    def chunk(self, choice: Choice, text: str | None, ids: list[int], lps: list | None = None,
+              reason: str | None = None, first: bool = False) -> dict:
+        """One chunk: a chat delta (the first names the role) or a completion's text."""
+        c: dict = {"index": choice.index, "finish_reason": reason, "logprobs": self._logprobs(choice, ids, lps),
+                   "token_ids": ids}
+        if self.job.kind == "chat":
+            delta: dict = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            c["delta"] = delta
+        else:
+            c["text"] = text or ""
+        return {**self.base, "choices": [c]}
+
+    def _logprobs(self, choice: Choice, ids: list[int], lps: list | None):
+        if choice.request.sampling.logprobs is None or lps is None:
+            return None
+        fmt = self.state.formatter
+        if self.job.kind == "chat":
+            return fmt.chat(lps)
+        out = fmt.completion(ids, lps, self.offsets[choice.index])
+        self.offsets[choice.index] += sum(len(t) for t in out["tokens"])
+        return out
+
+    def echo(self, choice: Choice, prompt_lps: list) -> dict:
+        text = echo_text(self.state, choice)
+        out = self.chunk(choice, text, [], None)
+        out["choices"][0]["logprobs"] = self._logprobs(choice, choice.request.prompt_ids, prompt_lps)
+        self.offsets[choice.index] = len(text)
+        return out
 
 
-async def stream(state: ServerState, job: Job, handle: Handle) -> AsyncIterator[bytes]:
-    assembler = TextAssembler(state.decode, job.params.stop_strings)
+async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
+    writer = ChunkWriter(state, job)
     include_usage = bool(job.params.stream_options and job.params.stream_options.include_usage)
-    base = envelope(state, job)
-    base["object"] = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-    n_ids, finished = 0, False
+    outcomes = {c.index: Outcome() for c in job.choices}
+    finished = False
     try:
         if job.kind == "chat":
-            yield sse(chunk(job, base, "", [], first=True))
-        async for ev in run_job(state, handle, assembler):
-            if ev[0] == "delta":
-                n_ids += len(ev[2])
-                yield sse(chunk(job, base, ev[1], ev[2]))
+            for c in job.choices:
+                yield sse(writer.chunk(c, "", [], first=True))
+        async for choice, ev in merged(state, job, handles):
+            o = outcomes[choice.index]
+            if ev[0] == "prompt":
+                yield sse(writer.echo(choice, ev[1]))
+            elif ev[0] == "delta":
+                o.ids += ev[2]
+                yield sse(writer.chunk(choice, ev[1], ev[2], ev[3]))
             else:
-                _, reason, result = ev
-                final = chunk(job, base, None if job.kind == "chat" else "", [], reason)
-                final["determinism"] = determinism_report(state, job, result)
-                if not include_usage:
-                    final["usage"] = usage(job, n_ids, result)
+                o.reason, o.result = ev[1], ev[2]
+                final = writer.chunk(choice, None if job.kind == "chat" else "", [], None, o.reason)
+                final["determinism"] = determinism_report(state, job, choice, o.result)
+                if not include_usage and all(x.result is not None for x in outcomes.values()):
+                    final["usage"] = usage(job, outcomes)
                 yield sse(final)
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(job, n_ids, result)})
+        if include_usage:
+            yield sse({**writer.base, "choices": [], "usage": usage(job, outcomes)})
         finished = True
         yield DONE
     except RequestFailed as exc:
         finished = True
+        abort_all(state, handles, "aborted")
         kind = "server_error" if exc.status >= 500 else "invalid_request_error"
         yield sse(error_body(exc.message, kind, code=str(exc.status)))
         yield DONE
     finally:
-        if not finished:  # the client went away (or the server cancelled us): free the slot now
-            state.worker.abort(handle, "disconnect")
+        if not finished:  # the client went away (or the server cancelled us): free the slots now
+            abort_all(state, handles, "disconnect")
 
 
 class EventStream(StreamingResponse):
-    """SSE response that aborts its request however the response ends (client gone before the
+    """SSE response that aborts its requests however the response ends (client gone before the
     first chunk included): an aborted request's KV slot is freed at once."""
 
-    def __init__(self, worker: EngineWorker, handle: Handle, content):
+    def __init__(self, worker: EngineWorker, handles: list[Handle], content):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.worker, self.handle = worker, handle
+        self.worker, self.handles = worker, handles
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.worker.abort(self.handle, "disconnect")  # a no-op once the request has finished
+            for h in self.handles:
+                self.worker.abort(h, "disconnect")  # a no-op once the request has finished

@@ -7,7 +7,9 @@ share each decode step (continuous batching).
 
 Events posted to a request's queue, in order:
     ("accepted", None)            the engine took the request (or ("error", (status, message)))
-    ("tokens", [ids])             newly released tokens (only what the policy releases)
+    ("prompt", [logprobs])        the prompt's logprobs, once prefilled (requests that ask: echo)
+    ("tokens", ([ids], logprobs)) newly released tokens (only what the policy releases), and their
+                                  logprobs (None unless asked for)
     ("done", Result)              the last event of a request that ran
     ("error", (status, message))  the request failed; nothing follows
 
@@ -52,6 +54,10 @@ class Handle:
     first_token: float | None = None
     admitted: bool = False
     closed: bool = False                # the last event was posted
+    prompt_sent: bool = False           # the ("prompt", ...) event, for requests that ask
+
+    def __post_init__(self):
+        self.prompt_sent = self.request.sampling.prompt_logprobs is None
 
     @property
     def request_id(self) -> str:
@@ -263,13 +269,18 @@ class EngineWorker:
                         self.metrics.inc(f"prefix_cache_{hit}_total")
                         self.metrics.inc("prefix_cache_reused_tokens_total", seq.cached_tokens)
                 done = seq in finished
+                if not handle.prompt_sent and seq.prefilled == seq.prompt_len:
+                    handle.prompt_sent = True
+                    self._post(handle, "prompt", list(seq.prompt_logprobs))
+                start = seq.released
                 new = self.engine.release(seq, done)
                 if new:
                     if handle.first_token is None:
                         handle.first_token = now
                         self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
                     self.metrics.inc("generation_tokens_total", len(new))
-                    self._post(handle, "tokens", new)
+                    lps = seq.logprobs[start:start + len(new)] if seq.request.sampling.logprobs is not None else None
+                    self._post(handle, "tokens", (new, lps))
                 if done:
                     result = self.engine.result(seq)
                     self._account(handle, result)
