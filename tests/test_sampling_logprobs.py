@@ -1,0 +1,158 @@
+"""Sampling options, logprobs and scoring on the embedded model (engine and `LLM`), and the
+filters on rows built by hand.
+
+The contract: a request's tokens *and* logprobs are a function of the request alone under a
+policy that guarantees them; scoring a generated sequence gives back, bitwise, the logprobs
+generation reported (the rollout / trainer match RL needs); sample i of n is the single request
+with seed + i."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from prompt_sets import HET8
+
+from margingate.engine import Request
+from margingate.engine.logprobs import logprobs_of
+from margingate.engine.sampling import SamplingError, SamplingParams, filtered
+
+TOKENS = 20
+SAMPLED = SamplingParams(temperature=1.0, seed=7, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.4,
+                         frequency_penalty=0.2, repetition_penalty=1.1, logprobs=3)
+
+
+def ids_of(llm, prompts, indices):
+    return [llm.tokenizer.encode_prompt(prompts[i]) for i in indices]
+
+
+def run(llm, ids, policy, sampling, tokens=TOKENS, **kw):
+    reqs = [Request(x, tokens, llm.policy(policy), ignore_eos=True, request_id=f"r{i}", sampling=sampling, **kw)
+            for i, x in enumerate(ids)]
+    return llm.engine.generate(reqs)
+
+
+def lps(result):
+    return [(t.token, t.logprob, t.top) for t in result.logprobs]
+
+
+@pytest.mark.parametrize("policy", ["batch-invariant", "margin", "dvr", "verify-all"])
+def test_logprobs_alone_equal_batched_and_scored(llm, prompts, policy):
+    """Guaranteed policies: each request's logprobs in a batch of 8 are bitwise its logprobs alone,
+    and bitwise what scoring its output gives (margin and dvr report the verifier's rows)."""
+    ids = ids_of(llm, prompts, HET8)
+    sp = SamplingParams(logprobs=4)
+    batched = run(llm, ids, policy, sp)
+    assert llm.policy(policy).guarantees_logprobs
+    for i in (0, 5):
+        alone = run(llm, ids[i:i + 1], policy, sp)[0]
+        assert alone.token_ids == batched[i].token_ids and lps(alone) == lps(batched[i])
+        score = llm.score(ids[i], batched[i].token_ids, top_logprobs=4)
+        assert score.logprobs == [t.logprob for t in batched[i].logprobs]
+        assert [t.top for t in score.tokens] == [t.top for t in batched[i].logprobs]
+
+
+def test_guaranteed_policies_report_the_same_logprobs(llm, prompts):
+    """batch-invariant, margin and dvr all report the canonical rows: the same bits."""
+    ids = ids_of(llm, prompts, HET8[:4])
+    sp = SamplingParams(logprobs=2)
+    outs = {p: run(llm, ids, p, sp) for p in ("batch-invariant", "margin", "dvr")}
+    for a, b in zip(outs["batch-invariant"], outs["margin"]):
+        assert lps(a) == lps(b)
+    for a, b in zip(outs["batch-invariant"], outs["dvr"]):
+        assert lps(a) == lps(b)
+
+
+def test_logprobs_are_a_log_softmax(llm, prompts):
+    out = run(llm, ids_of(llm, prompts, [0]), "batch-invariant", SamplingParams(logprobs=5))[0]
+    for t in out.logprobs:
+        assert t.top[0][0] == t.token  # greedy: the chosen token is the most likely
+        assert [lp for _, lp in t.top] == sorted((lp for _, lp in t.top), reverse=True)
+        assert sum(math.exp(lp) for _, lp in t.top) <= 1.0 + 1e-6
+    rows = torch.randn(6, 1000) * 4
+    got = torch.tensor([e.logprob for e in logprobs_of(rows, list(range(6)), 0)])
+    want = torch.log_softmax(rows.double(), -1)[torch.arange(6), torch.arange(6)]
+    assert torch.allclose(got.double(), want, atol=2e-6)
+    alone = logprobs_of(rows[3:4], [3], 2)[0]  # a row's logprobs do not depend on the rows beside it
+    assert alone == logprobs_of(rows, list(range(6)), 2)[3]
+
+
+def test_top_logprobs_break_ties_by_token_id():
+    row = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    top = logprobs_of(row, [4], 3)[0].top
+    assert [t for t, _ in top] == [1, 3, 4]
+
+
+def test_seeded_sampling_is_a_function_of_the_request(llm, prompts):
+    """All the options at once: alone = in a batch, and different seeds give different samples."""
+    ids = ids_of(llm, prompts, HET8)
+    batched = run(llm, ids, "batch-invariant", SAMPLED)
+    alone = run(llm, ids[2:3], "batch-invariant", SAMPLED)[0]
+    assert alone.token_ids == batched[2].token_ids and lps(alone) == lps(batched[2])
+    other = run(llm, ids[2:3], "batch-invariant", SamplingParams(temperature=1.0, seed=8, top_p=0.9))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_filters_at_their_limits_are_greedy(llm, prompts):
+    """top_k = 1 and a tiny top_p keep one token, the lowest id at a tie, as greedy does (min_p = 1
+    keeps every tied token, so it is not greedy at ties: the hand-made rows test it)."""
+    ids = ids_of(llm, prompts, [1, 4])
+    greedy = run(llm, ids, "batch-invariant", SamplingParams())
+    for sp in (SamplingParams(temperature=1.5, seed=3, top_k=1), SamplingParams(temperature=1.5, seed=3, top_p=1e-9)):
+        assert [r.token_ids for r in run(llm, ids, "batch-invariant", sp)] == [r.token_ids for r in greedy], sp
+
+
+def test_logit_bias_and_penalties_change_the_choice(llm, prompts):
+    ids = ids_of(llm, prompts, [3])
+    greedy = run(llm, ids, "batch-invariant", SamplingParams())[0].token_ids
+    banned = run(llm, ids, "batch-invariant", SamplingParams(logit_bias={greedy[0]: -100}))[0].token_ids
+    assert banned[0] != greedy[0] and greedy[0] not in banned
+    forced = run(llm, ids, "batch-invariant", SamplingParams(logit_bias={42: 100}))[0].token_ids
+    assert set(forced) == {42}
+    long = run(llm, ids, "batch-invariant", SamplingParams(), tokens=60)[0].token_ids
+    fresh = run(llm, ids, "batch-invariant", SamplingParams(frequency_penalty=2.0), tokens=60)[0].token_ids
+    assert len(set(fresh)) > len(set(long))  # fewer repeats
+
+
+def test_filters_on_hand_made_rows():
+    row = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0]])
+    kept = lambda **kw: torch.isfinite(filtered(row, SamplingParams(temperature=1.0, seed=0, **kw))[0]).tolist()  # noqa: E731
+    assert kept(top_k=2) == [False, True, True, False, False]
+    assert kept(top_k=1) == [False, True, False, False, False]   # a tie: the lower token id
+    p = torch.softmax(row[0].double(), 0)
+    assert kept(top_p=float(p[1] + p[2]) - 1e-6) == [False, True, True, False, False]
+    assert kept(top_p=float(p[1] + p[2] + p[3]) + 1e-6) == [True, True, True, True, False]
+    assert kept(min_p=math.exp(-1.0) - 1e-6) == [False, True, True, True, False]
+
+
+def test_n_samples_fork_the_prompt_and_equal_their_single_twins(llm, prompts):
+    ids = ids_of(llm, prompts, [6])[0]
+    base = SamplingParams(temperature=1.0, seed=11, top_p=0.9, logprobs=1)
+    pol = llm.policy("batch-invariant")
+    reqs = [Request(ids, 12, pol, request_id=f"s{i}", sampling=base.for_sample(i), share_prefill="s0" if i else None)
+            for i in range(4)]
+    forked = llm.engine.generate(reqs)
+    assert [r.cached_tokens for r in forked] == [0] + [len(ids) - 1] * 3  # the prompt computed once
+    for i, r in enumerate(forked):
+        twin = run(llm, [ids], "batch-invariant", SamplingParams(temperature=1.0, seed=11 + i, top_p=0.9,
+                                                                logprobs=1), tokens=12)[0]
+        assert r.token_ids == twin.token_ids and lps(r) == lps(twin)
+    assert len({tuple(r.token_ids) for r in forked}) > 1
+
+
+def test_scoring_needs_tokens_and_echo_alone_needs_no_new_token(llm):
+    with pytest.raises(ValueError, match="non-empty continuation"):
+        llm.score([1, 2], [])
+    res = llm.engine.generate([Request([504, 3575, 314], 0, sampling=SamplingParams(prompt_logprobs=0))])[0]
+    assert res.token_ids == [] and res.finish_reason == "length"
+    assert res.prompt_logprobs[0] is None and [t.token for t in res.prompt_logprobs[1:]] == [3575, 314]
+
+
+@pytest.mark.parametrize("kw, option", [({"top_p": 0.0}, "top_p"), ({"min_p": 2.0}, "min_p"),
+                                        ({"logprobs": 21}, "logprobs"), ({"logit_bias": {1: 101}}, "logit_bias"),
+                                        ({"temperature": -1}, "temperature"), ({"seed": 2 ** 64}, "seed"),
+                                        ({"top_k": -3}, "top_k"), ({"repetition_penalty": 0}, "repetition_penalty")])
+def test_bad_sampling_options_name_the_option(kw, option):
+    with pytest.raises(SamplingError, match=option) as err:
+        SamplingParams(**kw)
+    assert err.value.option == option

@@ -1,0 +1,125 @@
+"""What evaluation harnesses and RL rollouts ask of the server, through the official `openai`
+client: logprobs (completions and chat, streamed and not), echo scoring, n samples with
+nucleus sampling, several prompts per request; each bitwise equal to the request alone, under
+concurrent load, and to `LLM.score` of the same tokens."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from test_server import MODEL, TIMEOUT, chat, make_server  # noqa: E402
+
+BI = {"determinism": {"policy": "batch-invariant"}, "ignore_eos": True}
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 30, 2, 198, 1, 4093, 198, 1780, 314, 260,
+          3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]  # a chat-templated question, as token ids
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    srv = make_server(llm, max_queue=32)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+class Load:
+    """`clients` threads streaming chat completions until stopped: other requests share every step."""
+
+    def __init__(self, server, clients: int):
+        self.stop, self.done = threading.Event(), 0
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+
+        def loop(i):
+            while not self.stop.is_set():
+                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
+                                                   max_tokens=24, stream=True, temperature=0.7):
+                    pass
+                self.done += 1
+        self.threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=TIMEOUT)
+
+
+def completion_logprobs(client, **kw):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, logprobs=5, extra_body=BI, **kw)
+    c = r.choices[0]
+    return c.model_extra["token_ids"], c.logprobs.token_logprobs, c.logprobs.top_logprobs, r
+
+
+def test_completion_logprobs_alone_loaded_streamed_and_scored(llm, client, server):
+    ids, lps, tops, r = completion_logprobs(client)
+    assert len(lps) == len(ids) == 12 and all(len(t) == 5 for t in tops)
+    assert r.model_extra["determinism"]["logprobs_guaranteed"] is True
+    with Load(server, 8) as load:
+        loaded = completion_logprobs(client)[:3]
+    assert load.done > 0 and loaded == (ids, lps, tops)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, logprobs=5, stream=True,
+                                            extra_body=BI))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == lps
+    assert llm.score(PROMPT, ids).logprobs == lps  # the rollout / trainer match
+
+
+def test_chat_logprobs_shape_and_stream(client):
+    kw = dict(model=MODEL, messages=chat("Name a color."), max_tokens=8, logprobs=True, top_logprobs=3,
+              extra_body=BI)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == 8
+    for t in whole:
+        assert isinstance(t.token, str) and isinstance(t.bytes, list) and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+    streamed = [t for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+
+
+def test_echo_scores_the_prompt_as_llm_score_does(llm, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].finish_reason == "length" and len(lp.tokens) == len(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == llm.score(PROMPT[:1], PROMPT[1:]).logprobs
+    text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, echo=True)
+    assert text.choices[0].text.startswith("The capital of France is")
+
+
+def sample_tokens(client, n=4, seed=7):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=n, temperature=1.0, top_p=0.9,
+                                  seed=seed, extra_body=BI)
+    return [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def test_n_samples_equal_their_single_twins_alone_and_loaded(client, server):
+    samples = sample_tokens(client)
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) > 1
+    assert [sample_tokens(client, n=1, seed=7 + i)[0] for i in range(4)] == samples  # sample i: seed + i
+    with Load(server, 8):
+        assert sample_tokens(client) == samples
+
+
+def test_several_prompts_in_one_request(client):
+    prompts = ["Once upon a time", "The answer is", "def fib(n):"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, extra_body=BI)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for p, c in zip(prompts, r.choices):
+        single = client.completions.create(model=MODEL, prompt=p, max_tokens=6, extra_body=BI).choices[0]
+        assert c.text == single.text
+    assert r.usage.prompt_tokens == sum(client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage
+                                        .prompt_tokens for p in prompts)
