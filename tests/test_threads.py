@@ -2,7 +2,8 @@
 threads (4 oversubscribes a 2-core machine), and at default threads with each linear path this CPU
 has forced (`MARGINGATE_FORCE_ISA`), decode one heterogeneous batch in which every request has
 another deterministic policy. Each must give, bitwise, the tokens of the request decoded alone by
-the reference in this (default-threads, default-path) process."""
+the reference in this (default-threads, default-path) process, and the logprobs that scoring
+those tokens gives here."""
 from __future__ import annotations
 
 import json
@@ -23,15 +24,18 @@ NEW_TOKENS = 32
 SCRIPT = """
 import json, sys
 from margingate.data.prompts import builtin_prompts
+from margingate.engine.sampling import SamplingParams
 from margingate.llm import LLM
 
 threads, policies, picks, n = int(sys.argv[1]), sys.argv[2].split(","), json.loads(sys.argv[3]), int(sys.argv[4])
 llm = LLM(max_batch_size=len(picks), num_threads=threads, prefill_chunk=16)
 prompts = [builtin_prompts()[i] for i in picks]
-reqs = llm.requests(prompts, max_new_tokens=n, ignore_eos=True)
+reqs = llm.requests(prompts, max_new_tokens=n, ignore_eos=True, sampling=SamplingParams(logprobs=2))
 for k, r in enumerate(reqs):
     r.policy = llm.policy(policies[k % len(policies)])
-print(json.dumps({"threads": llm.engine.num_threads, "tokens": [r.token_ids for r in llm.engine.generate(reqs)]}))
+out = llm.engine.generate(reqs)
+print(json.dumps({"threads": llm.engine.num_threads, "tokens": [r.token_ids for r in out],
+                  "logprobs": [[t.logprob for t in r.logprobs] for r in out]}))
 """
 
 
@@ -49,19 +53,28 @@ def alone(references):
     return references.tokens(PICKS, NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def scored(llm, prompts, alone):
+    """The reference tokens scored in this process: the logprobs every run must report."""
+    ids = [llm.tokenizer.encode_prompt(prompts[i]) for i in PICKS]
+    return [s.logprobs for s in llm.score_batch(list(zip(ids, alone)))]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_same_tokens_at_any_thread_count(threads, alone):
+def test_same_tokens_at_any_thread_count(threads, alone, scored):
     run = decode_in_fresh_process(threads)
     assert run["threads"] == threads
     for k, (got, want) in enumerate(zip(run["tokens"], alone)):
         assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) at {threads} threads"
+        assert run["logprobs"][k] == scored[k], f"logprobs of request {k} at {threads} threads"
 
 
 @pytest.mark.parametrize("isa", [p for p in ISA_PATHS if p != DEFAULT_PATH])
-def test_same_tokens_on_every_linear_path(isa, alone):
+def test_same_tokens_on_every_linear_path(isa, alone, scored):
     """The other linear paths, forced: the same tokens as the default path's. A path this CPU lacks skips."""
     if isa not in linear_paths():
         pytest.skip(f"this CPU cannot run the {isa} path (it runs {', '.join(linear_paths())})")
     run = decode_in_fresh_process(os.cpu_count() or 1, isa)
     for k, (got, want) in enumerate(zip(run["tokens"], alone)):
         assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) on the {isa} path"
+        assert run["logprobs"][k] == scored[k], f"logprobs of request {k} on the {isa} path"
