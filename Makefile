@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv bench bench-peers models-table vllm-venv llamacpp-venv clean
+.PHONY: demo test venv bench bench-peers models-table vllm-venv llamacpp-venv lmeval-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,21 @@ $(LLAMACPP_VENV)/.installed:
 
 llamacpp-venv: $(LLAMACPP_VENV)/.installed
 
+# Optional, never needed by the tests: lm-evaluation-harness in its own venv, to score
+# `margingate serve` through lm_eval's local-completions model (scripts/lm_eval_check.sh).
+# torch is pinned first (2.13.0 installs from local disk) and kept there; transformers is for the
+# tokenizer (read from the model folder), which lm_eval[api] does not pull in.
+LMEVAL_VENV := .venv-lmeval
+$(LMEVAL_VENV)/.installed:
+	$(PY) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install --quiet --upgrade pip
+	$(LMEVAL_VENV)/bin/pip install --quiet torch==2.13.0
+	$(LMEVAL_VENV)/bin/pip install --quiet 'lm_eval[api]' transformers torch==2.13.0
+	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
+	touch $@
+
+lmeval-venv: $(LMEVAL_VENV)/.installed
+
 bench-peers: $(STAMP) $(VLLM_VENV)/.installed $(LLAMACPP_VENV)/.installed
 	$(BIN)/margingate bench $(BENCH) --peers hf,vllm,llamacpp --out results/bench
 
@@ -86,4 +101,4 @@ models-table: $(STAMP)
 	$(BIN)/python scripts/models_table.py --root $(MODELS_DIR)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) $(LMEVAL_VENV) build *.egg-info

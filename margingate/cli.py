@@ -8,7 +8,7 @@ import time
 
 from . import args as cli
 from . import scoring
-from .analysis import bench, calibrate, flips
+from .analysis import bench, calibrate, flips, score_bench
 from .data.prompts import PromptFileError
 from .distributed.options import add_ray_args, worker_pool
 from .kernels.invariant import KernelBuildError
@@ -16,7 +16,7 @@ from .policies import PolicySpec
 from .server import cli as serve
 
 #: subcommands defined beside their code: each module has add_parser(sub)
-REGISTERED = (serve, bench, flips, calibrate, scoring)
+REGISTERED = (serve, bench, flips, calibrate, scoring, score_bench)
 
 
 # --- commands ----------------------------------------------------------------------

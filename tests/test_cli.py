@@ -6,6 +6,7 @@ import json
 import pytest
 
 from margingate.cli import build_parser, main
+from margingate.data.prompts import Prompt
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -56,6 +57,28 @@ def test_generate_auto_names_its_choice(capsys):
     assert code == 0 and stats["policy"] == "batch-invariant" and stats["chosen_by"] == "auto"
     assert build_parser().parse_args(["serve"]).prefix_cache is True
     assert build_parser().parse_args(["serve", "--no-prefix-cache"]).prefix_cache is False
+
+
+def test_generate_sampled_with_logprobs_then_score_it(capsys, llm, tmp_path):
+    """generate's sampling options and --logprobs; `margingate score` of its output gives, bitwise,
+    the logprobs generate reported (batch-invariant guarantees them)."""
+    argv = ("generate", "Name a fruit.", "--policy", "batch-invariant", "--temperature", "0.9", "--seed", "5",
+            "--top-p", "0.8", "--top-k", "30", "--min-p", "0.01", "--presence-penalty", "0.2",
+            "--frequency-penalty", "0.1", "--repetition-penalty", "1.05", "--logprobs", "2",
+            "--max-new-tokens", "8", "--json", "--no-prefix-cache")
+    code, out, _ = run(capsys, *argv)
+    row = json.loads(out)
+    assert code == 0 and row["seed"] == 5 and len(row["logprobs"]) == len(row["token_ids"])
+    assert run(capsys, *argv)[1] == out  # a seeded sample is reproducible
+    prompt_ids = llm.tokenizer.encode_prompt(Prompt("chat", ({"role": "user", "content": "Name a fruit."},), None, ""))
+    items = tmp_path / "pairs.jsonl"
+    items.write_text(json.dumps({"prompt_ids": prompt_ids, "continuation_ids": row["token_ids"]}) + "\n")
+    code, out, _ = run(capsys, "score", "--file", str(items), "--top-logprobs", "2")
+    scored = json.loads(out)
+    assert code == 0 and scored["logprobs"] == [t["logprob"] for t in row["logprobs"]]
+    assert scored["top_logprobs"] == [t["top"] for t in row["logprobs"]]
+    code, _, err = run(capsys, "score", "--prompt", "Hello")
+    assert code == 2 and "go together" in err
 
 
 @pytest.mark.parametrize("argv, message", [

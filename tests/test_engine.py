@@ -245,10 +245,11 @@ def test_fresh_processes_agree(llm, prompts, fresh_processes):
 
 
 def test_bad_requests(llm, ids):
-    """Empty prompts, non-positive max_new_tokens and token ids outside the vocabulary are refused."""
+    """Empty prompts, negative or fractional max_new_tokens (0: score the prompt only) and token ids
+    outside the vocabulary are refused."""
     with pytest.raises(ValueError, match="empty prompt"):
         Request([], max_new_tokens=4)
-    for n in (0, -3, 2.5):
+    for n in (-1, -3, 2.5):
         with pytest.raises(ValueError, match="max_new_tokens"):
             Request(ids[0], max_new_tokens=n)
     engine = small_engine(llm, "fast")

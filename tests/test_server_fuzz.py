@@ -65,6 +65,14 @@ common = {
     "stop": maybe(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5)),
     "n": maybe(st.integers(-1, 3)),
     "top_p": maybe(st.floats(0, 1)),
+    "top_k": maybe(st.integers(-2, 60000)),
+    "min_p": maybe(st.floats(-0.5, 1.5)),
+    "presence_penalty": maybe(st.floats(-3, 3)),
+    "repetition_penalty": maybe(st.floats(-1, 3)),
+    "logit_bias": maybe(st.dictionaries(st.text(max_size=6), st.floats(-200, 200) | json_values, max_size=3)),
+    "logprobs": maybe(st.integers(-1, 25) | st.booleans()),
+    "top_logprobs": maybe(st.integers(-1, 25)),
+    "echo": maybe(st.booleans()),
     "deterministic": maybe(st.booleans()),
     "determinism": maybe(determinism),
     "ignore_eos": maybe(st.booleans()),
@@ -103,7 +111,11 @@ valid_bodies = st.fixed_dictionaries(
               "seed": st.integers(-2 ** 63, 2 ** 63 - 1), "stream": st.booleans(),
               "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
               "stop": st.text(min_size=1, max_size=2) | st.lists(st.text(min_size=1, max_size=2), max_size=4),
-              "deterministic": st.booleans(), "determinism": valid_determinism, "ignore_eos": st.booleans()})
+              "deterministic": st.booleans(), "determinism": valid_determinism, "ignore_eos": st.booleans(),
+              "n": st.integers(1, 3), "top_p": st.floats(0.05, 1), "top_k": st.integers(0, 50),
+              "min_p": st.floats(0, 0.5), "frequency_penalty": st.floats(-2, 2),
+              "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+              "logprobs": st.integers(0, 5), "echo": st.booleans()})
 
 
 # --- the server ----------------------------------------------------------------------------------
@@ -148,8 +160,12 @@ def check(r: httpx.Response, streamed: bool) -> None:
             assert "error" not in event or not str(event["error"].get("code", "")).startswith("5"), event
     else:
         data = r.json()
-        assert data["choices"][0]["finish_reason"] in ("stop", "length")
-        assert data["usage"]["completion_tokens"] == len(data["choices"][0]["token_ids"])
+        assert all(c["finish_reason"] in ("stop", "length") for c in data["choices"])
+        assert data["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in data["choices"])
+        for c in data["choices"]:  # one logprob per token, where asked for
+            lp = c.get("logprobs")
+            if lp and "content" in lp:
+                assert len(lp["content"]) == len(c["token_ids"])
 
 
 def post(http, path: str, payload) -> None:

@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
     p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),
                    help='what "deterministic": true means (default auto: batch-invariant on CPU, margin on CUDA)')
+    p.add_argument("--deterministic-by-default", action="store_true",
+                   help="requests that ask for nothing get --default-policy too (for clients that cannot add "
+                        'fields, such as lm-eval; "deterministic": false still opts out)')
     p.add_argument("--default-max-tokens", type=cli.positive_int, default=ServerConfig.default_max_tokens,
                    help="when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
@@ -62,7 +65,8 @@ def cmd_serve(args) -> None:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     config = ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue, default_policy=args.default_policy,
-                          default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout)
+                          default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout,
+                          deterministic_by_default=args.deterministic_by_default)
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
 

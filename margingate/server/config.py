@@ -11,6 +11,9 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 64                # requests accepted beyond the KV slots; past that, 429
     default_policy: str = "auto"       # what `"deterministic": true` means: the cheapest guaranteed one here
+    # every request that names no policy gets `default_policy`, as if it said "deterministic": true
+    # (clients that cannot add fields: lm-eval's loglikelihood requests)
+    deterministic_by_default: bool = False
     default_max_tokens: int = 256      # when a request gives no max_tokens
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0     # in-flight requests get this long on SIGTERM

@@ -54,6 +54,8 @@ def build_policy(state: ServerState, params) -> tuple[Policy, bool]:
     """The request's policy, and whether the request asked for determinism. Streamed or not, it is the
     same policy: a strict one releases verified tokens only, so the stream is the non-streamed answer."""
     block, asked = params.determinism, params.deterministic
+    if asked is None and block is None and state.config.deterministic_by_default:
+        asked = True
     if block is None and not asked:
         return state.llm.policy("fast"), False
     name = block.policy if block is not None and block.policy is not None else state.config.default_policy
