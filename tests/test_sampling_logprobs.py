@@ -81,6 +81,8 @@ def test_top_logprobs_break_ties_by_token_id():
     row = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
     top = logprobs_of(row, [4], 3)[0].top
     assert [t for t, _ in top] == [1, 3, 4]
+    assert [t for t, _ in logprobs_of(row, [4], 2)[0].top] == [1, 3]  # a tie at the k-th value
+    assert [t for t, _ in logprobs_of(row, [4], 5)[0].top] == [1, 3, 4, 2, 0]
 
 
 def test_seeded_sampling_is_a_function_of_the_request(llm, prompts):

@@ -123,3 +123,15 @@ def test_several_prompts_in_one_request(client):
         assert c.text == single.text
     assert r.usage.prompt_tokens == sum(client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage
                                         .prompt_tokens for p in prompts)
+
+
+def test_chat_n_samples_streamed_equal_whole(client):
+    kw = dict(model=MODEL, messages=chat("Say something about cats."), max_tokens=8, n=2, temperature=1.0,
+              seed=3, extra_body=BI)
+    whole = client.chat.completions.create(**kw)
+    texts = {c.index: c.message.content for c in whole.choices}
+    streamed = {0: "", 1: ""}
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert sorted(texts) == [0, 1] and streamed == texts

@@ -6,6 +6,7 @@ max_num_seqs = batch_size. RESULT (JSON): the runs' wall seconds, each prompt to
 the last run, the first `alone` prompts' logprobs scored one at a time, and the vLLM version.
 """
 import json
+import os
 import sys
 import time
 
@@ -34,7 +35,10 @@ def main(job_path: str, result_path: str) -> None:
     alone = [score([p])[0] for p in ids[: job["alone"]]]
     with open(result_path, "w") as f:
         json.dump({"seconds": seconds, "logprobs": logprobs, "alone": alone, "version": vllm.__version__}, f)
+    llm.llm_engine.engine_core.shutdown()  # its processes end now, not in a teardown that may abort
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    sys.stdout.flush()
+    os._exit(0)  # the engine is shut down: skip the interpreter teardown, which can abort (SIGABRT)

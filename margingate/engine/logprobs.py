@@ -27,13 +27,25 @@ def logprobs_of(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogp
     rows = rows.reshape(-1, rows.shape[-1]).float()
     lse = invariant.logsumexp_rows(rows)
     picked = rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] - lse
-    tops = [top_k(row, lse[r], k) for r, row in enumerate(rows)] if k else [()] * len(tokens)
+    tops = top_k(rows, lse, k) if k and len(tokens) else [()] * len(tokens)
     return [TokenLogprob(t, float(lp), top) for t, lp, top in zip(tokens, picked.tolist(), tops)]
 
 
-def top_k(row: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
-    """The k largest entries, ties by ascending token id (topk's own order is unspecified)."""
-    kth = torch.topk(row, k).values[-1]
-    ids = torch.nonzero(row >= kth).flatten()  # ascending ids
-    best = ids[torch.sort(row[ids], descending=True, stable=True).indices[:k]]
-    return tuple(zip(best.tolist(), (row[best] - lse).tolist()))
+def top_k(rows: torch.Tensor, lse: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's k largest entries, ties by ascending token id (topk's own order is unspecified).
+    The k-th value is tied iff the (k+1)-th equals it; otherwise topk's set is exact."""
+    best = torch.topk(rows, min(k + 1, rows.shape[1]), dim=1)
+    ids = best.indices[:, :k].sort(dim=1).values  # ascending ids
+    tied = (best.values[:, k - 1] == best.values[:, k]) if best.values.shape[1] > k else torch.zeros(0)
+    for r in torch.nonzero(tied).flatten().tolist():  # the k-th value is shared: the lowest ids
+        ids[r] = _tied(rows[r], rows[r] >= best.values[r, k - 1], k)
+    vals = rows.gather(1, ids)
+    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    ids, vals = ids.gather(1, order), vals.gather(1, order) - lse[:, None]
+    return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+
+
+def _tied(row: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best ids of a row whose k-th value is shared: by value, then by ascending id."""
+    ids = torch.nonzero(mask).flatten()
+    return ids[torch.sort(row[ids], descending=True, stable=True).indices[:k]].sort().values

@@ -65,13 +65,15 @@ NOT_GUARANTEED = ("strict is off: tokens were released before the verifier saw t
 def determinism_report(state: ServerState, job: Job, choice: Choice, result: Result) -> dict:
     sp = choice.request.sampling
     guaranteed = job.policy.deterministic  # with these options (a non-strict margin is not)
-    wants_logprobs = sp.logprobs is not None or sp.prompt_logprobs is not None
+    # prompt logprobs always are: prompts run the invariant kernels whatever the policy
+    logprobs = {**({"logprobs_guaranteed": job.policy.guarantees_logprobs} if sp.logprobs is not None else {}),
+                **({"prompt_logprobs_guaranteed": True} if sp.prompt_logprobs is not None else {})}
     return finite({
         "deterministic": job.deterministic,
         "batch_invariant": guaranteed,
         "guaranteed": job.deterministic and guaranteed,
         **({"warning": NOT_GUARANTEED} if job.deterministic and not guaranteed else {}),
-        **({"logprobs_guaranteed": job.policy.guarantees_logprobs} if wants_logprobs else {}),
+        **logprobs,
         **result.stats,
         "temperature": sp.temperature,
         "seed": sp.seed if sp.temperature > 0 else None,
