@@ -158,3 +158,18 @@ def test_bad_sampling_options_name_the_option(kw, option):
     with pytest.raises(SamplingError, match=option) as err:
         SamplingParams(**kw)
     assert err.value.option == option
+
+
+def test_gumbel_noise_is_our_own_log_of_torchs_uniforms():
+    """The noise is -log(-log(u)) with the kernels' log (no libm, no ISA dispatch): close to torch's,
+    elementwise (a slice gives the same bits), and a pure function of (seed, position)."""
+    from margingate.engine.sampling import gumbel_noise
+    from margingate.kernels.invariant import gumbel_from_uniform
+
+    u = torch.rand(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp_(1e-300, 1.0)
+    u[:3] = torch.tensor([1e-300, 1 - 2 ** -53, 0.5], dtype=torch.float64)
+    g = gumbel_from_uniform(u)
+    assert torch.allclose(g.double(), -torch.log(-torch.log(u)), rtol=1e-6, atol=1e-6)
+    assert torch.equal(gumbel_from_uniform(u[5:17]), g[5:17])
+    assert torch.equal(gumbel_noise(7, 3, 1000), gumbel_noise(7, 3, 1000))
+    assert not torch.equal(gumbel_noise(7, 3, 1000), gumbel_noise(7, 4, 1000))

@@ -13,7 +13,8 @@ function of the request alone (its options, its own history, the row's position)
    that order), `min_p` the tokens with probability >= min_p x the top one's; then + Gumbel noise
    keyed by (seed, position), never by batch or step.
 
-Probabilities use the kernels' own exp (csrc/logits.cpp), so no bit depends on a math library.
+Probabilities use the kernels' own exp and the noise their own log (csrc/logits.cpp), so no bit
+depends on a math library or on which of torch's ISA kernels runs.
 """
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ class SamplingParams:
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(((seed * 0x9E3779B97F4A7C15) ^ position) & _MASK)
-    u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
-    return (-torch.log(-torch.log(u))).float()
+    u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)  # mt19937: the same everywhere
+    return invariant.gumbel_from_uniform(u)
 
 
 def scores(seq: Sequence, logits: torch.Tensor, first_position: int) -> torch.Tensor:

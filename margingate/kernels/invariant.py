@@ -146,6 +146,12 @@ def exp_shifted(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return ops().exp_shifted(logits.float().contiguous(), shift.float().contiguous())
 
 
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """-log(-log(u)) of fp64 uniforms in (0, 1), as fp32, with csrc/logits.cpp's own log (no libm,
+    no ISA dispatch): seeded sampling's noise is the same bits on every x86 CPU."""
+    return ops().gumbel_from_uniform(u.double().contiguous())
+
+
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,

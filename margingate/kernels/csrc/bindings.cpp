@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
   m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
   m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
+  m.def("gumbel_from_uniform", &gumbel_from_uniform, "-log(-log(u)) of fp64 uniforms, our own log, as fp32");
   m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");

@@ -39,6 +39,7 @@ void add_into(at::Tensor& h, const at::Tensor& y);
 // logits.cpp: per-row log-sum-exp and exp(x - shift) of fp32 logits, in a fixed order
 at::Tensor logsumexp_rows(const at::Tensor& x);
 at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift);
+at::Tensor gumbel_from_uniform(const at::Tensor& u);
 
 // stack.cpp
 void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,

@@ -1,5 +1,5 @@
-// Per-row statistics of fp32 logits for logprobs and nucleus sampling, in an order fixed by the
-// row alone: one thread per row, exp is contract.h's exp8, the sum goes through 8 fp64 lanes
+// Per-row statistics of fp32 logits for logprobs and nucleus sampling, and the Gumbel noise of
+// seeded sampling, in an order fixed by the row alone: one thread per row, exp is contract.h's exp8, the sum goes through 8 fp64 lanes
 // (element j into lane j mod 8) added in a fixed tree, and log is our own series below. No
 // libm call, so no bit depends on the CPU, the thread count or the math library's dispatch.
 #include <ATen/Parallel.h>
@@ -52,6 +52,27 @@ float row_max(const float* x, int64_t v) {
   return m;
 }
 
+// log on 4 fp64 lanes, the same arithmetic as log_series: the exponent and mantissa from the bits
+// (exact), m moved into [sqrt(1/2), sqrt(2)), then 2 atanh(t) as a Horner polynomial in t^2. For
+// normal positive inputs (the Gumbel noise's only ones).
+__m256d log4(__m256d s) {
+  const __m256i bits = _mm256_castpd_si256(s);
+  const __m256i mant = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000FFFFFFFFFFFFFLL)),
+                                       _mm256_set1_epi64x(0x3FE0000000000000LL));  // m in [0.5, 1)
+  const __m256i e64 = _mm256_sub_epi64(_mm256_srli_epi64(bits, 52), _mm256_set1_epi64x(1022));
+  const __m128i e32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(e64, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
+  __m256d e = _mm256_cvtepi32_pd(e32), m = _mm256_castsi256_pd(mant);
+  const __m256d low = _mm256_cmp_pd(m, _mm256_set1_pd(0.70710678118654752), _CMP_LT_OQ);
+  m = _mm256_blendv_pd(m, _mm256_add_pd(m, m), low);
+  e = _mm256_sub_pd(e, _mm256_and_pd(low, _mm256_set1_pd(1.0)));
+  const __m256d one = _mm256_set1_pd(1.0);
+  const __m256d t = _mm256_div_pd(_mm256_sub_pd(m, one), _mm256_add_pd(m, one)), t2 = _mm256_mul_pd(t, t);
+  __m256d p = _mm256_set1_pd(1.0 / 21);
+  for (int k = 19; k >= 1; k -= 2) p = _mm256_add_pd(_mm256_mul_pd(p, t2), _mm256_set1_pd(1.0 / k));
+  return _mm256_add_pd(_mm256_mul_pd(e, _mm256_set1_pd(0.69314718055994531)),
+                       _mm256_mul_pd(_mm256_set1_pd(2.0), _mm256_mul_pd(t, p)));
+}
+
 void check_rows(const at::Tensor& x) {
   check_cpu(x, "logits");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "logits must be a 2-D fp32 tensor");
@@ -95,6 +116,24 @@ at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift) {
       }
     }
   });
+  return out;
+}
+
+at::Tensor gumbel_from_uniform(const at::Tensor& u) {
+  check_cpu(u, "u");
+  TORCH_CHECK(u.scalar_type() == at::kDouble, "u must be fp64 uniforms in (0, 1)");
+  const int64_t n = u.numel();
+  at::Tensor out = at::empty(u.sizes(), u.options().dtype(at::kFloat));
+  const double* pu = u.data_ptr<double>();
+  float* po = out.data_ptr<float>();
+  const __m256d zero = _mm256_setzero_pd();
+  for (int64_t j = 0; j < n; j += 4) {  // -log(-log(u)), elementwise: no order to fix, one thread is plenty
+    double buf[4];
+    for (int l = 0; l < 4; ++l) buf[l] = j + l < n ? pu[j + l] : 0.5;
+    const __m256d g = _mm256_sub_pd(zero, log4(_mm256_sub_pd(zero, log4(_mm256_loadu_pd(buf)))));
+    _mm256_storeu_pd(buf, g);
+    for (int l = 0; l < 4 && j + l < n; ++l) po[j + l] = static_cast<float>(buf[l]);
+  }
   return out;
 }
 
