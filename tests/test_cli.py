@@ -130,12 +130,17 @@ def test_bench_small(capsys, tmp_path):
 
 
 def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
-    """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table."""
+    """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table:
+    the same 4 x 16 tokens as our policy, each of the 4 outputs judged against HF decoding it alone."""
     code, out, _ = run(capsys, "bench", *SMALL_BENCH, "--policies", "fast", "--peers", "hf",
                        "--out", str(tmp_path), "--json")
     assert code == 0
-    row = json.loads(out)["main"]["B4"]["hf-generate"]
-    assert row["tokens_per_s"] > 0 and 0 <= row["sequence_determinism"] <= 1 and "overhead" in row
+    table = json.loads(out)["main"]["B4"]
+    row, ours = table["hf-generate"], table["fast"]
+    for r in (row, ours):
+        assert r["tokens_per_s"] * r["seconds_median"] == pytest.approx(4 * 16)
+    assert row["protected_requests"] == 4 and row["diverged"] == round(4 * (1 - row["sequence_determinism"]))
+    assert row["overhead"] == pytest.approx(row["seconds_median"] / ours["seconds_median"] - 1, rel=1e-6)
     assert "hf-generate" in (tmp_path / "report.md").read_text()
 
 
