@@ -155,13 +155,12 @@ def adjust(seq: Sequence, row: torch.Tensor, position: int) -> torch.Tensor:
     if sp.logit_bias:
         ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
         row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype)
-    history = seq.tokens(0, position)
-    output = torch.tensor(history[seq.prompt_len:], dtype=torch.long)
-    if sp.repetition_penalty != 1 and history:
-        seen = torch.unique(torch.tensor(history, dtype=torch.long))
+    if sp.repetition_penalty != 1:  # prompt and output tokens before `position`
+        seen = torch.unique(torch.tensor(seq.tokens(0, position), dtype=torch.long))
         x = row[seen]
         row[seen] = torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty)
-    if (sp.frequency_penalty or sp.presence_penalty) and output.numel():
+    if (sp.frequency_penalty or sp.presence_penalty) and position > seq.prompt_len:  # output tokens only
+        output = torch.tensor(seq.tokens(seq.prompt_len, position), dtype=torch.long)
         counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
         row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
     return row
@@ -171,8 +170,9 @@ def filtered(rows: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """top_k, top_p, min_p: the tokens each removes get -inf (Gumbel-max never picks them)."""
     out = []
     for row in rows:
-        order = torch.sort(row, descending=True, stable=True).indices  # ties: ascending token id
         drop = torch.zeros_like(row, dtype=torch.bool)
+        if sp.top_k > 0 or sp.top_p < 1:  # min_p alone needs no order
+            order = torch.sort(row, descending=True, stable=True).indices  # ties: ascending token id
         if sp.top_k > 0:
             drop[order[sp.top_k:]] = True
         row = row.masked_fill(drop, -math.inf)
