@@ -11,7 +11,7 @@ import statistics
 import time
 
 from ..engine import Request
-from ..engine.policy import VerifyJob
+from ..engine.verifier import VerifyJob
 from ..llm import LLM
 
 WARM_TOKENS = 64  # decode this far first, so the rows attend over realistic prefixes
@@ -30,12 +30,12 @@ def pass_profile(llm: LLM, prompt_ids: list[list[int]], repeats: int = 5) -> dic
         while min(len(s.output_ids) for s in seqs) < WARM_TOKENS:
             engine.step()
         ends = [s.num_tokens - 2 for s in seqs]  # last positions with K/V: recomputing them rewrites the same
+        verify = engine.verifier.recompute
         passes = {
             f"fast_step_B{b}": lambda: engine.runner.step([], seqs),
-            "verify_64_rows_4x16": lambda: engine.runner.verify(
-                [VerifyJob(s, e - 15, e) for s, e in zip(seqs[:4], ends)]),
-            "verify_64_rows_1x64": lambda: engine.runner.verify([VerifyJob(seqs[0], ends[0] - 63, ends[0])]),
-            f"verify_{b}_rows_{b}x1": lambda: engine.runner.verify([VerifyJob(s, e, e) for s, e in zip(seqs, ends)]),
+            "verify_64_rows_4x16": lambda: verify([VerifyJob(s, e - 15, e) for s, e in zip(seqs[:4], ends)]),
+            "verify_64_rows_1x64": lambda: verify([VerifyJob(seqs[0], ends[0] - 63, ends[0])]),
+            f"verify_{b}_rows_{b}x1": lambda: verify([VerifyJob(s, e, e) for s, e in zip(seqs, ends)]),
         }
         times: dict[str, list[float]] = {k: [] for k in passes}
         for _ in range(repeats + 1):  # the first round warms up

@@ -13,11 +13,12 @@ from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..prefix_cache import PrefixCache
 from .logprobs import logprobs_of
-from .policy import Policy, VerifyJob
+from .policy import Policy
 from .runner import Runner
 from .sampling import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
+from .verifier import Verified, Verifier, VerifyJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +61,13 @@ class Load:
 
 @dataclass
 class StreamEvent:
+    """What one request hands its caller after a step (`Engine.release`)."""
     request_id: str
     token_ids: list[int]          # newly released tokens
     finished: bool
     result: Result | None = None
+    logprobs: list | None = None  # the new tokens' logprobs, if the request asked
+    prompt_logprobs: list | None = None  # once, when its prompt is prefilled, if the request asked
 
 
 class Engine:
@@ -76,6 +80,7 @@ class Engine:
         self.kv = KVCache(mc.num_layers, config.max_batch_size + 1, max_len, mc.num_kv_heads, mc.head_dim,
                           torch.bfloat16, model.device)
         self.runner = Runner(model, self.kv)
+        self.verifier = Verifier(self.runner)
         self.scheduler = Scheduler(self.kv)
         self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.default_policy = default_policy
@@ -196,10 +201,10 @@ class Engine:
         verified = self._verify([j for j in jobs if j is not None])
         for seq, row, raw, job in zip(batch, logits, rows, jobs):
             seq.steps += 1
-            chosen, canonical = verified.get(id(job), (None, None))
-            seq.policy.commit(seq, row, chosen)
-            if canonical is not None:  # the verifier's rows replace the fast ones they recomputed
-                self._record(seq, job.start, canonical)
+            rows_of = verified.get(id(job))
+            seq.policy.commit(seq, row, None if rows_of is None else rows_of.scores)
+            if rows_of is not None:  # the verifier's rows replace the fast ones they recomputed
+                self._record(seq, job.start, rows_of.logits)
             if len(seq.logprobs) < len(seq.output_ids):
                 self._record(seq, seq.num_tokens - 2, raw[None])
 
@@ -213,14 +218,14 @@ class Engine:
         at = lo - seq.prompt_len
         seq.logprobs[at:at + len(entries)] = entries
 
-    def _verify(self, jobs: list[VerifyJob]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Each job's rows: (the scores its policy chooses from, the raw logits)."""
+    def _verify(self, jobs: list[VerifyJob]) -> dict[int, Verified]:
+        """Each job's rows, keyed by id(job): one verifier pass (or one per precision / group)."""
         if not jobs:
             return {}
         t = time.perf_counter()
-        out = [(scores(j.seq, rows, j.start + 1), rows) for j, rows in zip(jobs, self.runner.verify(jobs))]
+        out = self.verifier.run(jobs)
         self._count("verify", t, rows=sum(j.rows for j in jobs))
-        return {id(j): o for j, o in zip(jobs, out)}
+        return out
 
     def _stop_finished(self, stopping: list[Sequence]) -> None:
         # A strict policy may re-check the tail and roll back; loop until every request settles.
@@ -230,9 +235,9 @@ class Engine:
             still = []
             for seq in stopping:
                 job = jobs[id(seq)]
-                confirmed = job is None or seq.policy.confirm_finish(seq, verified[id(job)][0])
+                confirmed = job is None or seq.policy.confirm_finish(seq, verified[id(job)].scores)
                 if job is not None:
-                    self._record(seq, job.start, verified[id(job)][1])
+                    self._record(seq, job.start, verified[id(job)].logits)
                 if confirmed:
                     seq.finish_reason = seq.should_stop(self.max_len) or "stop"
                     self.scheduler.remove(seq)
@@ -255,12 +260,22 @@ class Engine:
                       list(seq.logprobs) if sp.logprobs is not None else None,
                       list(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None)
 
-    def release(self, seq: Sequence, finished: bool) -> list[int]:
-        """The tokens of `seq` its policy lets go since the last call (all of them once finished)."""
+    def release(self, seq: Sequence, finished: bool) -> StreamEvent | None:
+        """What `seq` hands its caller since the last call: the tokens its policy lets go (all of them
+        once finished) with their logprobs, the prompt's logprobs once prefilled; None if nothing.
+        The one release loop: `stream` and the server's worker both call it after each step."""
+        prompt = None
+        if not seq.prompt_released and seq.prefilled == seq.prompt_len:
+            seq.prompt_released = True
+            prompt = list(seq.prompt_logprobs) if seq.request.sampling.prompt_logprobs is not None else None
+        start = seq.released
         n = len(seq.output_ids) if finished else seq.policy.releasable(seq)
-        new = seq.output_ids[seq.released:n]
-        seq.released = max(seq.released, n)
-        return new
+        new = seq.output_ids[start:n]
+        seq.released = max(start, n)
+        if not new and not finished and prompt is None:
+            return None
+        lps = seq.logprobs[start:start + len(new)] if seq.request.sampling.logprobs is not None else None
+        return StreamEvent(seq.request_id, new, finished, self.result(seq) if finished else None, lps, prompt)
 
     def stream(self, requests: list[Request], progress: bool = False) -> Iterator[StreamEvent]:
         """Run requests to completion, yielding tokens as their policies release them.
@@ -276,10 +291,9 @@ class Engine:
                 live.append(self.add_request(pending.pop(0)))
             finished = self.step()
             for seq in live:
-                done = seq in finished
-                new = self.release(seq, done)
-                if new or done:
-                    yield StreamEvent(seq.request_id, new, done, self.result(seq) if done else None)
+                event = self.release(seq, seq in finished)
+                if event is not None:
+                    yield event
             live = [s for s in live if s not in finished]
             bar.update(len(finished))
         bar.close()

@@ -2,7 +2,7 @@
 
 A decode step reads: the runner computes logits for every running request
 (each row with the kernels its policy asks for), then each policy `propose`s:
-it may ask the verifier to recompute some of its positions. If any does, the
+it may ask the verifier (`verifier.py`) to recompute some of its positions. If any does, the
 others may `join` that pass. All those jobs run in one verifier pass, and each
 policy `commit`s: it appends the token(s), may overwrite K/V columns through
 `seq.cache` or roll back. When a request meets a stop condition its policy gets
@@ -15,32 +15,33 @@ What a policy remembers about a request lives in the state it creates
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .sequence import Sequence
+from .verifier import VerifyJob
+
+if TYPE_CHECKING:
+    from ..policies.spec import PolicySpec
 
 
-@dataclass
-class VerifyJob:
-    """Recompute positions [start, end] of `seq` with the verifier's kernels.
-
-    The verifier writes the K/V of those positions (canonical columns) and
-    returns one logits row per position. `precision` is the verifier's compute dtype.
-    `pad_to` fixes the pass's shape (LLM-42): the job is padded to that many rows
-    and grouped with up to `group` jobs, padding the group with dummy jobs.
-    """
-    seq: Sequence
-    start: int
-    end: int
-    precision: torch.dtype = torch.bfloat16
-    pad_to: int | None = None
-    group: int = 1
+@dataclass(frozen=True, slots=True)
+class Promise:
+    """What a policy with given options promises: derived once from the validated `PolicySpec`
+    (`Policy.promise_for`), read by the CLI, the server and the reports alike."""
+    #: the request's tokens do not depend on what shares its batch
+    deterministic: bool = False
+    #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
+    verifies: bool = False
 
     @property
-    def rows(self) -> int:
-        return self.end + 1 - self.start
+    def guarantees_logprobs(self) -> bool:
+        """Are the reported logprobs batch-invariant too? Wherever the tokens are: the engine records
+        a token's logprobs from the row that chose it, replaced by the verifier's row whenever one
+        recomputes its position, and a deterministic policy releases a token only once the row it
+        came from is canonical (an exact-attention decode row, or the verifier's)."""
+        return self.deterministic
 
 
 class PolicyState:
@@ -52,34 +53,41 @@ class PolicyState:
 
 
 class Policy:
+    """Built only from a validated `PolicySpec` (`PolicySpec.build`), whose options it trusts."""
     name = "base"
-    #: facts the CLI, the server and the reports read (never string tests on names):
-    #: the request's tokens do not depend on what shares its batch (with these options)
-    deterministic = False
-    #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
-    verifies = False
     #: decode rows attend over exactly their own prefix (else: as one padded batch, whose
     #: reduction order depends on the batch)
-    invariant_decode = False
+    exact_attention = False
     #: decode rows through PyTorch's library kernels (else: our compiled ones, faster here)
     library_kernels = False
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
-    #: what picked this policy when the caller did not name it ("auto"), for the report
-    chosen_by: str | None = None
+
+    def __init__(self, spec: PolicySpec):
+        self.spec = spec
+        self.promise = self.promise_for(spec)
+
+    @classmethod
+    def promise_for(cls, spec: PolicySpec) -> Promise:
+        """What this policy promises with these options (the one place it is decided)."""
+        return Promise()
+
+    @property
+    def deterministic(self) -> bool:
+        return self.promise.deterministic
+
+    @property
+    def verifies(self) -> bool:
+        return self.promise.verifies
 
     @property
     def guarantees_logprobs(self) -> bool:
-        """Are the reported logprobs batch-invariant too? Wherever the tokens are: the engine records
-        a token's logprobs from the row that chose it, replaced by the verifier's row whenever one
-        recomputes its position, and a deterministic policy releases a token only once the row it
-        came from is canonical (an invariant decode row, or the verifier's)."""
-        return self.deterministic
+        return self.promise.guarantees_logprobs
 
-    @classmethod
-    def from_spec(cls, spec, default_tau: float) -> Policy:
-        """Build from a validated `PolicySpec`; options this policy does not use are ignored."""
-        return cls()
+    @property
+    def chosen_by(self) -> str | None:
+        """What picked this policy when the caller did not name it ("auto"), for the report."""
+        return self.spec.chosen_by
 
     def new_state(self, seq: Sequence) -> PolicyState:
         return PolicyState()

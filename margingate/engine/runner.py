@@ -1,10 +1,11 @@
-"""Turns sequences and verify jobs into model forwards (rows, positions, slots, plan).
+"""Turns spans of sequences into model forwards (rows, positions, slots, plan).
 
 A forward is a list of spans: consecutive positions of one request fed in one go
-(a prompt chunk, one decode position, a verifier window). Each span's rows attend
-exactly (the invariant kernel) unless they are a decode row whose policy takes the
-batched fast path, and the forward runs our compiled Linear/norm kernels unless every
-span asks for the library's (prompt chunks and verifier windows never do).
+(a prompt chunk, one decode position, a verifier window: `verifier.py` builds those).
+Each span's rows attend over exactly their own prefix (the invariant kernel) unless they
+are a decode row whose policy takes the batched fast path, and the forward runs our
+compiled invariant Linear/norm kernels unless every span asks for the library's (prompt
+chunks and verifier windows never do).
 """
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ import torch
 
 from ..kv_cache import KVCache
 from ..models.llama import AttentionPlan, LlamaModel
-from .policy import VerifyJob
 from .sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Positions [start, end) of `seq`, fed in one forward; the logits of its last `want` rows come back."""
+    """Positions [start, end) of `seq`, fed in one forward; the logits of its last `logits_rows` rows
+    come back."""
     seq: Sequence | None          # None: dummy rows on the scratch slot (fixed-shape padding)
     start: int
     end: int
-    exact: bool                   # attend over exactly its own prefix (else: the padded batched call)
-    invariant: bool               # needs the invariant kernels
-    want: int = 1
+    exact_attention: bool         # attend over exactly its own prefix (else: the padded batched call)
+    invariant_kernels: bool       # needs the invariant Linear/norm kernels
+    logits_rows: int = 1
 
     @property
     def rows(self) -> int:
@@ -46,55 +47,23 @@ class Runner:
         their own forward."""
         # Prompts always go through the invariant kernels: a prompt's K/V is then the same
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
-        spans = [Span(s, a, b, exact=True, invariant=True,
-                      want=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
+        spans = [Span(s, a, b, exact_attention=True, invariant_kernels=True,
+                      logits_rows=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
                  for s, a, b in prefills]
-        spans += [Span(s, s.last_pos, s.num_tokens, exact=s.policy.invariant_decode,
-                       invariant=not s.policy.library_kernels) for s in decodes]
+        spans += [Span(s, s.last_pos, s.num_tokens, exact_attention=s.policy.exact_attention,
+                       invariant_kernels=not s.policy.library_kernels) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)
         for dtype in dict.fromkeys(dtypes):
             idx = [i for i, d in enumerate(dtypes) if d == dtype]
             part = [spans[i] for i in idx]
-            for i, logits in zip(idx, self._run(part, dtype, any(s.invariant for s in part))):
+            for i, logits in zip(idx, self.forward(part, dtype, any(s.invariant_kernels for s in part))):
                 out[i] = logits
         return out
 
-    def verify(self, jobs: list[VerifyJob]) -> list[torch.Tensor]:
-        """Recompute every job's positions with the verifier's (invariant) kernels.
-
-        Each position is its own query row over exactly its prefix, so its K/V and
-        logits do not depend on the other rows of the pass. Jobs share one pass per
-        precision; fixed-shape jobs (`pad_to`) go in groups of `group`, each group padded
-        to exactly group x pad_to rows (LLM-42's fixed verifier shape).
-        """
-        results: list[torch.Tensor | None] = [None] * len(jobs)
-        passes: dict = {}
-        for i, j in enumerate(jobs):
-            passes.setdefault((j.precision, j.pad_to, j.group), []).append(i)
-        for (dtype, pad_to, group), idx in passes.items():
-            chunks = [idx] if pad_to is None else [idx[k:k + group] for k in range(0, len(idx), group)]
-            for chunk in chunks:
-                spans = []
-                for i in chunk:
-                    j = jobs[i]
-                    spans.append(Span(j.seq, j.start, j.end + 1, exact=True, invariant=True, want=j.rows))
-                    if pad_to is not None:
-                        spans.append(self._padding(pad_to - jobs[i].rows))
-                if pad_to is not None:
-                    spans.append(self._padding((group - len(chunk)) * pad_to))
-                logits = [x for x, s in zip(self._run(spans, dtype, True), spans) if s.seq is not None]
-                for i, x in zip(chunk, logits):
-                    results[i] = x
-        return results
-
-    def _padding(self, n: int) -> Span:
-        """Dummy rows on the scratch slot: they only make the pass's shape fixed."""
-        return Span(None, 0, n, exact=True, invariant=True, want=0)
-
-    def _run(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
+    def forward(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
-        tokens, positions, slots, exact, batched, want = [], [], [], [], [], []
+        tokens, positions, slots, exact, batched, wanted = [], [], [], [], [], []
         for span in spans:
             first = len(tokens)
             if span.seq is None:
@@ -104,15 +73,15 @@ class Runner:
                 tokens += span.seq.tokens(span.start, span.end)
                 slots += [span.seq.slot] * span.rows
             positions += range(span.start, span.end)
-            (exact if span.exact else batched).extend(range(first, len(tokens)))
-            want.extend(range(len(tokens) - span.want, len(tokens)))
+            (exact if span.exact_attention else batched).extend(range(first, len(tokens)))
+            wanted.extend(range(len(tokens) - span.logits_rows, len(tokens)))
         dev = self.device
         logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                     torch.tensor(slots, device=dev), AttentionPlan(exact, batched), self.kv,
                                     dtype=dtype, invariant=invariant,
-                                    logits_rows=torch.tensor(want, dtype=torch.long, device=dev))
+                                    logits_rows=torch.tensor(wanted, dtype=torch.long, device=dev))
         out, at = [], 0
         for span in spans:
-            out.append(logits[at:at + span.want] if span.want else None)
-            at += span.want
+            out.append(logits[at:at + span.logits_rows] if span.logits_rows else None)
+            at += span.logits_rows
         return out

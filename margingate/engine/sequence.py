@@ -65,6 +65,7 @@ class Sequence:
     cached_tokens: int = 0                 # of which copied from the prefix cache
     steps: int = 0                         # decode steps taken
     released: int = 0                      # output tokens already handed to the caller
+    prompt_released: bool = False          # the prompt's logprobs were handed over (if asked)
     finish_reason: str | None = None
     state: Any = None                      # the policy's memory of this request (Policy.new_state)
     fork_of: Sequence | None = None        # `share_prefill`'s sequence, until its K/V are copied

@@ -6,10 +6,13 @@ Per request, not a global mode: when such a request shares a step, that forward'
 Linear/norm kernels are the invariant ones for every row (they cost no more here), while
 other requests keep the padded batched attention.
 """
-from ..engine.policy import Policy
+from ..engine.policy import Policy, Promise
 
 
 class BatchInvariantPolicy(Policy):
     name = "batch-invariant"
-    deterministic = True
-    invariant_decode = True
+    exact_attention = True
+
+    @classmethod
+    def promise_for(cls, spec) -> Promise:
+        return Promise(deterministic=True)

@@ -11,28 +11,25 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.policy import Promise
 from ..engine.sequence import Sequence
-from .options import DEFAULT_GROUP, DEFAULT_WINDOW, int_at_least
 from .verifying import VerifyingPolicy
 
 
 class DVRPolicy(VerifyingPolicy):
     name = "dvr"
-    deterministic = True
 
-    def __init__(self, window: int = DEFAULT_WINDOW, group: int = DEFAULT_GROUP, precision: str = "bf16"):
-        super().__init__("replay", precision, strict=True)
-        int_at_least("dvr window", window, 1)
-        int_at_least("dvr group", group, 1)
-        self.window, self.group = window, group
-        self.pad_to = window
+    def __init__(self, spec):
+        super().__init__(spec.replace(repair="replay", strict=True))
+        self.window, self.group = spec.window, spec.group
+        self.pad_to = spec.window
 
     @classmethod
-    def from_spec(cls, spec, default_tau: float) -> DVRPolicy:
-        return cls(spec.window, spec.group, spec.precision)
+    def promise_for(cls, spec) -> Promise:
+        return Promise(deterministic=True, verifies=True)
 
     def settings(self) -> dict:
-        return {"window": self.window, "group": self.group, "verifier_precision": self.precision_name}
+        return {"window": self.window, "group": self.group, "verifier_precision": self.spec.verifier_precision}
 
     def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
         return seq.num_tokens - seq.state.canonical_len >= self.window

@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from ..engine.policy import Promise
 from ..engine.sequence import Sequence
-from .options import DEFAULT_DEFER, DEFAULT_TAU, int_at_least, parse_tau
 from .verifying import VerifyingPolicy
 
 
@@ -32,20 +32,12 @@ def margin_of(logits: torch.Tensor) -> float:
 
 class MarginPolicy(VerifyingPolicy):
     name = "margin"
-    deterministic = True  # with its default options (strict replay); an instance says for its own
 
-    def __init__(self, tau: float = DEFAULT_TAU, repair: str = "replay", precision: str = "bf16",
-                 strict: bool = True, defer: int = DEFAULT_DEFER):
-        super().__init__(repair, precision, strict)
-        self.tau = parse_tau(tau)
-        int_at_least("defer", defer, 0)
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.tau = spec.tau  # `PolicySpec.build` filled in the model's when the caller gave none
         # deferring needs the strict replay: only it can take back a token decoded after a late flip
-        self.defer = defer if repair == "replay" and strict else 0
-
-    @classmethod
-    def from_spec(cls, spec, default_tau: float) -> MarginPolicy:
-        return cls(default_tau if spec.tau is None else spec.tau, spec.repair, spec.precision, spec.strict,
-                   spec.defer)
+        self.defer = spec.defer if self.deterministic else 0
 
     def settings(self) -> dict:
         return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
@@ -76,10 +68,9 @@ class VerifyAllPolicy(MarginPolicy):
     """Every step verified, the verifier's column always kept: the history stays canonical."""
     name = "verify-all"
 
-    def __init__(self, precision: str = "bf16"):
-        super().__init__(tau=math.inf, repair="column-always", precision=precision)
-        self.deterministic = True  # every column is the verifier's: the history stays canonical
+    def __init__(self, spec):
+        super().__init__(spec.replace(tau=math.inf, repair="column-always", strict=True, defer=0))
 
     @classmethod
-    def from_spec(cls, spec, default_tau: float) -> VerifyAllPolicy:
-        return cls(spec.precision)
+    def promise_for(cls, spec) -> Promise:
+        return Promise(deterministic=True, verifies=True)  # every column is the verifier's

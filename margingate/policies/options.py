@@ -8,6 +8,8 @@ DEFAULT_TAU = 0.5    # margin, when the model has no calibrated profile; see REA
 DEFAULT_DEFER = 8    # margin: steps a flagged token may wait for a shared pass; see README (bench)
 DEFAULT_WINDOW = 16  # dvr: tokens per verified window
 DEFAULT_GROUP = 4    # dvr: requests per fixed-shape verifier pass
+# upper bounds: a value past them is a typo, not a setting (a 10^6-step deferral holds every token)
+MAX_DEFER, MAX_WINDOW, MAX_GROUP = 1024, 256, 64
 
 AUTO = "auto"        # not a policy: a name resolved per device to the cheapest guaranteed one
 
@@ -33,6 +35,8 @@ def parse_tau(tau: Any) -> float:
     return value
 
 
-def int_at_least(label: str, value: Any, minimum: int) -> None:
+def int_in(label: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{label} must be an integer <= {maximum}, got {value!r}")

@@ -8,33 +8,27 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.policy import Policy, VerifyJob
+from ..engine.policy import Policy, Promise
 from ..engine.sequence import Sequence
+from ..engine.verifier import VerifyJob
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def parse_precision(name: str) -> torch.dtype:
-    if name not in PRECISIONS:
-        raise ValueError(f"unknown verifier precision {name!r} (choose from {', '.join(PRECISIONS)})")
-    return PRECISIONS[name]
-
-
 class ReferencePolicy(Policy):
     name = "reference"
-    deterministic = True
 
-    def __init__(self, precision: str = "bf16"):
-        self.precision = parse_precision(precision)
-        self.precision_name = precision
-        self.invariant_decode = self.precision == torch.bfloat16
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.precision = PRECISIONS[spec.verifier_precision]
+        self.exact_attention = self.precision == torch.bfloat16
 
     @classmethod
-    def from_spec(cls, spec, default_tau: float) -> ReferencePolicy:
-        return cls(spec.precision)
+    def promise_for(cls, spec) -> Promise:
+        return Promise(deterministic=True)
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
-        if self.invariant_decode:
+        if self.exact_attention:
             return None
         return VerifyJob(seq, seq.last_pos, seq.last_pos, self.precision)
 
@@ -43,4 +37,4 @@ class ReferencePolicy(Policy):
         seq.output_ids.append(int(torch.argmax(row)))
 
     def settings(self) -> dict:
-        return {"verifier_precision": self.precision_name}
+        return {"verifier_precision": self.spec.verifier_precision}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..engine.policy import Policy
+from ..engine.policy import Policy, Promise
 from .batch_invariant import BatchInvariantPolicy
 from .dvr import DVRPolicy
 from .fast import FastLibraryPolicy, FastPolicy
@@ -24,8 +24,11 @@ from .options import (
     DEFAULT_GROUP,
     DEFAULT_TAU,
     DEFAULT_WINDOW,
+    MAX_DEFER,
+    MAX_GROUP,
+    MAX_WINDOW,
     auto_policy,
-    int_at_least,
+    int_in,
     parse_tau,
 )
 from .reference import PRECISIONS, ReferencePolicy
@@ -50,7 +53,7 @@ class PolicySpec:
     name: str = "fast"
     tau: float | None = None          # margin: the logit margin below which a step is verified; None: the profile's
     repair: str = "replay"            # margin: replay | column | column-always | none
-    precision: str = "bf16"           # the verifier's compute precision: bf16 | fp32
+    verifier_precision: str = "bf16"  # the verifier's compute precision: bf16 | fp32
     strict: bool = True               # margin/replay: roll back emitted tokens that a late check disproves
     defer: int = DEFAULT_DEFER        # margin/replay: steps a flagged token may wait for a shared pass
     window: int = DEFAULT_WINDOW      # dvr
@@ -59,11 +62,12 @@ class PolicySpec:
     chosen_by: str | None = None      # "auto" when `resolve` picked the name
 
     def __post_init__(self):
-        for option, check in (("name", self._check_name), ("tau", self._check_tau), ("repair", self._check_repair),
-                              ("precision", self._check_precision), ("strict", self._check_strict),
-                              ("defer", lambda: int_at_least("defer", self.defer, 0)),
-                              ("window", lambda: int_at_least("dvr window", self.window, 1)),
-                              ("group", lambda: int_at_least("dvr group", self.group, 1)),
+        for option, check in (("policy", self._check_name), ("tau", self._check_tau),
+                              ("repair", self._check_repair), ("verifier_precision", self._check_precision),
+                              ("strict", self._check_strict),
+                              ("defer", lambda: int_in("defer", self.defer, 0, MAX_DEFER)),
+                              ("window", lambda: int_in("dvr window", self.window, 1, MAX_WINDOW)),
+                              ("group", lambda: int_in("dvr group", self.group, 1, MAX_GROUP)),
                               ("inject_flip_at", self._check_inject)):
             try:
                 check()
@@ -83,8 +87,9 @@ class PolicySpec:
             raise ValueError(f"unknown repair mode {self.repair!r} (choose from {', '.join(REPAIRS)})")
 
     def _check_precision(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown verifier precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
+        if self.verifier_precision not in PRECISIONS:
+            raise ValueError(f"unknown verifier precision {self.verifier_precision!r} "
+                             f"(choose from {', '.join(PRECISIONS)})")
 
     def _check_strict(self):
         if not isinstance(self.strict, bool):
@@ -92,7 +97,7 @@ class PolicySpec:
 
     def _check_inject(self):
         if self.inject_flip_at is not None:
-            int_at_least("inject_flip_at", self.inject_flip_at, 0)
+            int_in("inject_flip_at", self.inject_flip_at, 0)
             if self.name != AUTO and not issubclass(self.policy_class, VerifyingPolicy):
                 raise ValueError(f"inject_flip_at needs a verifying policy, not {self.name}")
 
@@ -110,20 +115,24 @@ class PolicySpec:
         return dataclasses.replace(self, **changes)
 
     def build(self, default_tau: float = DEFAULT_TAU, device: str = "cpu") -> Policy:
-        """A fresh policy object (policies hold no per-request state; one may serve many requests)."""
+        """A fresh policy object (policies hold no per-request state; one may serve many requests);
+        a margin without a tau takes `default_tau` (the model profile's)."""
         spec = self.resolve(device)
-        policy = spec.policy_class.from_spec(spec, default_tau)
-        if spec.inject_flip_at is not None:
-            policy.inject_flip_at = spec.inject_flip_at
-        policy.chosen_by = spec.chosen_by
-        return policy
+        if spec.tau is None:
+            spec = spec.replace(tau=default_tau)
+        return spec.policy_class(spec)
+
+    @property
+    def promise(self) -> Promise:
+        """What these options promise (`auto` resolves to a deterministic policy on every device)."""
+        spec = self.resolve("cpu")
+        return spec.policy_class.promise_for(spec)
 
     @property
     def deterministic(self) -> bool:
-        """Do these options promise tokens independent of the batch? (`auto` does on every device.)"""
-        return self.build().deterministic
+        return self.promise.deterministic
 
 
 def deterministic_policies() -> list[str]:
     """Names whose defaults promise determinism (what a server's `"deterministic": true` may mean)."""
-    return [*(name for name, cls in POLICIES.items() if cls.deterministic), AUTO]
+    return [*(name for name in POLICIES if PolicySpec(name).deterministic), AUTO]

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.policy import Policy, PolicyState, VerifyJob
+from ..engine.policy import Policy, PolicyState, Promise
 from ..engine.sequence import Sequence
+from ..engine.verifier import VerifyJob
 from ..kv_cache import Column
-from .reference import parse_precision
+from .reference import PRECISIONS
 
 REPAIRS = ("replay", "column", "column-always", "none")
 
@@ -62,27 +63,27 @@ class VerifyState(PolicyState):
 
 class VerifyingPolicy(Policy):
     name = "verifying"
-    verifies = True
     #: pad each replay job to this many rows (a fixed verifier shape, as LLM-42 does)
     pad_to: int | None = None
 
-    #: testing aid (LLM-42's skip-mismatch): emit the fast top-2 instead of top-1 once, at this
-    #: output index and without triggering, so that the repair has a real missed flip to find
-    inject_flip_at: int | None = None
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.repair, self.strict = spec.repair, spec.strict
+        self.precision = PRECISIONS[spec.verifier_precision]
+        #: testing aid (LLM-42's skip-mismatch): emit the fast top-2 instead of top-1 once, at this
+        #: output index and without triggering, so that the repair has a real missed flip to find
+        self.inject_flip_at = spec.inject_flip_at
 
-    def __init__(self, repair: str = "replay", precision: str = "bf16", strict: bool = True):
-        if repair not in REPAIRS:
-            raise ValueError(f"unknown repair mode {repair!r} (choose from {', '.join(REPAIRS)})")
-        self.repair, self.strict = repair, strict
-        self.precision, self.precision_name = parse_precision(precision), precision
-        # with these options: only the strict replay checks every emitted token against the verifier
-        self.deterministic = repair == "replay" and strict
+    @classmethod
+    def promise_for(cls, spec) -> Promise:
+        # only the strict replay checks every emitted token against the verifier
+        return Promise(deterministic=spec.repair == "replay" and spec.strict, verifies=True)
 
     def new_state(self, seq: Sequence) -> VerifyState:
         return VerifyState(canonical_len=seq.prompt_len)  # the prompt is prefilled by the invariant kernels
 
     def settings(self) -> dict:
-        return {"repair": self.repair, "verifier_precision": self.precision_name, "strict": self.strict}
+        return {"repair": self.repair, "verifier_precision": self.spec.verifier_precision, "strict": self.strict}
 
     def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Verify this step?"""

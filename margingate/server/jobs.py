@@ -37,7 +37,6 @@ class Job:
     kind: str                      # "completion" or "chat"
     params: Any
     policy: Policy
-    deterministic: bool
     id: str
     choices: list[Choice]
 
@@ -58,21 +57,17 @@ class Outcome:
 
 # --- response pieces ---------------------------------------------------------------------
 
-NOT_GUARANTEED = ("strict is off: tokens were released before the verifier saw them and a flip it finds later "
-                  "is not taken back, so this output may differ from the same request alone")
-
-
 def determinism_report(state: ServerState, job: Job, choice: Choice, result: Result) -> dict:
     sp = choice.request.sampling
-    guaranteed = job.policy.deterministic  # with these options (a non-strict margin is not)
+    promise = job.policy.promise  # derived from the request's options: a non-strict margin promises nothing
     # prompt logprobs always are: prompts run the invariant kernels whatever the policy
-    logprobs = {**({"logprobs_guaranteed": job.policy.guarantees_logprobs} if sp.logprobs is not None else {}),
+    logprobs = {**({"logprobs_guaranteed": promise.guarantees_logprobs} if sp.logprobs is not None else {}),
                 **({"prompt_logprobs_guaranteed": True} if sp.prompt_logprobs is not None else {})}
     return finite({
-        "deterministic": job.deterministic,
-        "batch_invariant": guaranteed,
-        "guaranteed": job.deterministic and guaranteed,
-        **({"warning": NOT_GUARANTEED} if job.deterministic and not guaranteed else {}),
+        # three names clients already read, one fact
+        "deterministic": promise.deterministic,
+        "batch_invariant": promise.deterministic,
+        "guaranteed": promise.deterministic,
         **logprobs,
         **result.stats,
         "temperature": sp.temperature,

@@ -50,29 +50,45 @@ def validate(state: ServerState, raw: bytes, kind: str) -> CompletionRequest | C
     return params
 
 
-def build_policy(state: ServerState, params) -> tuple[Policy, bool]:
-    """The request's policy, and whether the request asked for determinism. Streamed or not, it is the
-    same policy: a strict one releases verified tokens only, so the stream is the non-streamed answer."""
+def build_policy(state: ServerState, params) -> Policy:
+    """The request's policy. Streamed or not, it is the same policy: a strict one releases verified
+    tokens only, so the stream is the non-streamed answer. `"deterministic": true` is refused unless
+    the options promise it (`PolicySpec.promise`, the one source the report reads too)."""
     block, asked = params.determinism, params.deterministic
     if asked is None and block is None and state.config.deterministic_by_default:
         asked = True
     if block is None and not asked:
-        return state.llm.policy("fast"), False
+        return state.llm.policy("fast")
     name = block.policy if block is not None and block.policy is not None else state.config.default_policy
     options = block.spec_options() if block is not None else {}
     try:
         spec = PolicySpec(name, **options).resolve(state.llm.device)
     except PolicyOptionError as exc:
-        option = "verifier_precision" if exc.option == "precision" else "policy" if exc.option == "name" else exc.option
-        raise BadRequest(str(exc), param=f"determinism.{option}") from None
-    promises = spec.policy_class.deterministic
+        raise BadRequest(str(exc), param=f"determinism.{exc.option}") from None
+    promises = spec.deterministic  # with these options: a non-strict margin promises nothing
     if asked is False and promises:
         raise BadRequest('"deterministic": false contradicts the "determinism" block; drop one',
                          param="deterministic")
     if asked and not promises:
-        raise BadRequest(f'"deterministic": true needs a policy that promises determinism (a batch-invariant '
-                         f'one: {", ".join(deterministic_policies())}), not "{name}"', param="determinism.policy")
-    return state.llm.policy(spec), promises
+        raise BadRequest(not_deterministic(spec), param=f"determinism.{unpromising_option(spec)}")
+    return state.llm.policy(spec)
+
+
+def unpromising_option(spec: PolicySpec) -> str:
+    """The option that makes `spec` promise nothing: the policy, or (for margin) repair or strict."""
+    if not PolicySpec(spec.name).deterministic:
+        return "policy"
+    return "repair" if spec.repair != "replay" else "strict"
+
+
+def not_deterministic(spec: PolicySpec) -> str:
+    option = unpromising_option(spec)
+    if option == "policy":
+        return (f'"deterministic": true needs a policy that promises determinism (a batch-invariant one: '
+                f'{", ".join(deterministic_policies())}), not "{spec.name}"')
+    value = {"repair": f'"{spec.repair}"', "strict": "false"}[option]
+    return (f'"deterministic": true with policy "{spec.name}" needs repair "replay" and strict true '
+            f"(a flip the gate misses is never taken back otherwise), not {option} {value}")
 
 
 def check_seed(deterministic: bool, temperature: float, seed: int | None) -> None:
@@ -125,9 +141,9 @@ def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
 async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
     params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
-    policy, deterministic = build_policy(state, params)
+    policy = build_policy(state, params)
     sampling = sampling_params(state, params, kind)
-    check_seed(deterministic, sampling.temperature, params.seed)
+    check_seed(policy.deterministic, sampling.temperature, params.seed)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
     try:
@@ -143,4 +159,4 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, policy, deterministic, rid, choices)
+    return Job(kind, params, policy, rid, choices)

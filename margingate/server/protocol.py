@@ -82,24 +82,22 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 class DeterminismOptions(BaseModel):
     """The `determinism` block: which policy protects this request, and how. Unset fields take
-    the server's default policy and `PolicySpec`'s defaults; `PolicySpec` validates the values."""
+    the server's default policy and `PolicySpec`'s defaults; `PolicySpec` validates the values
+    (its field names are these), so a bound is written once for HTTP, the CLI and the API."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
     policy: str | None = None
-    tau: float | None = Field(default=None, ge=0)   # inf: verify every step
+    tau: float | None = None   # Infinity: verify every step
     repair: str | None = None
     strict: bool | None = None
     verifier_precision: str | None = None
-    defer: int | None = Field(default=None, ge=0, le=1024)
-    window: int | None = Field(default=None, ge=1, le=256)
-    group: int | None = Field(default=None, ge=1, le=64)
+    defer: int | None = None
+    window: int | None = None
+    group: int | None = None
 
     def spec_options(self) -> dict:
         """The options given, as `PolicySpec` keywords."""
-        given = self.model_dump(exclude_none=True, exclude={"policy"})
-        if "verifier_precision" in given:
-            given["precision"] = given.pop("verifier_precision")
-        return given
+        return self.model_dump(exclude_none=True, exclude={"policy"})
 
 
 class StreamOptions(BaseModel):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import Engine, Request, Result
+from ..engine.engine import StreamEvent
 from .config import ServerConfig
 from .metrics import BATCH_BUCKETS, Metrics
 
@@ -54,10 +55,6 @@ class Handle:
     first_token: float | None = None
     admitted: bool = False
     closed: bool = False                # the last event was posted
-    prompt_sent: bool = False           # the ("prompt", ...) event, for requests that ask
-
-    def __post_init__(self):
-        self.prompt_sent = self.request.sampling.prompt_logprobs is None
 
     @property
     def request_id(self) -> str:
@@ -268,27 +265,27 @@ class EngineWorker:
                         hit = "hits" if seq.cached_tokens else "misses"
                         self.metrics.inc(f"prefix_cache_{hit}_total")
                         self.metrics.inc("prefix_cache_reused_tokens_total", seq.cached_tokens)
-                done = seq in finished
-                if not handle.prompt_sent and seq.prefilled == seq.prompt_len:
-                    handle.prompt_sent = True
-                    self._post(handle, "prompt", list(seq.prompt_logprobs))
-                start = seq.released
-                new = self.engine.release(seq, done)
-                if new:
-                    if handle.first_token is None:
-                        handle.first_token = now
-                        self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
-                    self.metrics.inc("generation_tokens_total", len(new))
-                    lps = seq.logprobs[start:start + len(new)] if seq.request.sampling.logprobs is not None else None
-                    self._post(handle, "tokens", (new, lps))
-                if done:
-                    result = self.engine.result(seq)
-                    self._account(handle, result)
-                    self._post(handle, "done", result)
+                event = self.engine.release(seq, seq in finished)
+                if event is not None:
+                    self._forward(handle, event, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 log.error("request %s failed: %s", handle.request_id, traceback.format_exc())
                 self.engine.abort(handle.request_id)
                 self._post(handle, "error", (500, f"internal error in request {handle.request_id}: {exc}"))
+
+    def _forward(self, handle: Handle, event: StreamEvent, now: float) -> None:
+        """One release of the engine's, as the handle's events (and the metrics it moves)."""
+        if event.prompt_logprobs is not None:
+            self._post(handle, "prompt", event.prompt_logprobs)
+        if event.token_ids:
+            if handle.first_token is None:
+                handle.first_token = now
+                self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
+            self.metrics.inc("generation_tokens_total", len(event.token_ids))
+            self._post(handle, "tokens", (event.token_ids, event.logprobs))
+        if event.finished:
+            self._account(handle, event.result)
+            self._post(handle, "done", event.result)
 
     def _account(self, handle: Handle, result: Result) -> None:
         m, stats = self.metrics, result.stats

@@ -1,0 +1,90 @@
+"""The verifier: what a policy asks to recompute, and the pass that recomputes it.
+
+A verifying policy (`margin`, `dvr`, `verify-all`, fp32 `reference`) answers a decode step
+with a `VerifyJob`: recompute positions [start, end] of its request. The engine hands every
+job of the step to `Verifier.run`, which packs them into passes and returns each job's rows.
+
+Each position is its own query row over exactly its prefix, through the invariant kernels,
+so its K/V column and logits do not depend on the other rows of the pass: a verified row is
+bitwise the row that decoding the request alone computes. Jobs share one pass per precision;
+fixed-shape jobs (`pad_to`, LLM-42) go in groups of `group`, each padded to exactly
+group x pad_to rows with dummy rows on a scratch slot, so a pass's cost does not depend on how
+many of its rows are real.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .runner import Runner, Span
+from .sampling import scores
+from .sequence import Sequence
+
+
+@dataclass
+class VerifyJob:
+    """Recompute positions [start, end] of `seq` with the verifier's kernels, in `precision`.
+
+    The pass writes the K/V of those positions (canonical columns) and returns one logits row
+    per position. `pad_to` fixes the job's shape: padded to that many rows and grouped with up
+    to `group` jobs, the group padded with dummy jobs.
+    """
+    seq: Sequence
+    start: int
+    end: int
+    precision: torch.dtype = torch.bfloat16
+    pad_to: int | None = None
+    group: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.end + 1 - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A job's rows: the scores its policy chooses from (sampling applied) and the raw logits."""
+    scores: torch.Tensor
+    logits: torch.Tensor
+
+
+class Verifier:
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def run(self, jobs: list[VerifyJob]) -> dict[int, Verified]:
+        """Every job's rows, keyed by id(job)."""
+        logits = self.recompute(jobs)
+        return {id(j): Verified(scores(j.seq, rows, j.start + 1), rows) for j, rows in zip(jobs, logits)}
+
+    def recompute(self, jobs: list[VerifyJob]) -> list[torch.Tensor]:
+        """Every job's raw logits rows, in order."""
+        results: list[torch.Tensor | None] = [None] * len(jobs)
+        passes: dict = {}
+        for i, j in enumerate(jobs):
+            passes.setdefault((j.precision, j.pad_to, j.group), []).append(i)
+        for (dtype, pad_to, group), idx in passes.items():
+            chunks = [idx] if pad_to is None else [idx[k:k + group] for k in range(0, len(idx), group)]
+            for chunk in chunks:
+                spans = self._pass([jobs[i] for i in chunk], pad_to, group)
+                logits = [x for x, s in zip(self.runner.forward(spans, dtype, True), spans) if s.seq is not None]
+                for i, x in zip(chunk, logits):
+                    results[i] = x
+        return results
+
+    def _pass(self, jobs: list[VerifyJob], pad_to: int | None, group: int) -> list[Span]:
+        """The spans of one pass: each job's positions, padded to the fixed shape if it has one."""
+        spans = []
+        for j in jobs:
+            spans.append(Span(j.seq, j.start, j.end + 1, exact_attention=True, invariant_kernels=True,
+                              logits_rows=j.rows))
+            if pad_to is not None:
+                spans.append(self._padding(pad_to - j.rows))
+        if pad_to is not None:
+            spans.append(self._padding((group - len(jobs)) * pad_to))
+        return spans
+
+    def _padding(self, n: int) -> Span:
+        """Dummy rows (on the runner's scratch slot): they only make the pass's shape fixed."""
+        return Span(None, 0, n, exact_attention=True, invariant_kernels=True, logits_rows=0)
