@@ -263,6 +263,15 @@ def test_attention_refuses_bad_lengths():
         K.attention(q, k, v, torch.tensor([3]), torch.tensor([4]), 0.125)
 
 
+def test_decoder_stack_finds_its_weights_by_name():
+    """The stack's weight order is stated once (STACK_WEIGHTS) and passed to C++, which finds each
+    weight by name: an order missing a name, or naming one twice, is refused by that name."""
+    names, e = list(K.STACK_WEIGHTS), torch.empty(0, dtype=torch.bfloat16)
+    for order, message in ((names[1:], "no layer weight named input_layernorm"), (names + ["qkv"], "qkv named twice")):
+        with pytest.raises(RuntimeError, match=message):
+            K.ops().decoder_stack(e, [], order, e, e, e, e, e, e, e, e, e, 1, 1, 1, 1e-6, 1.0, [], False)
+
+
 # --- norms and activation --------------------------------------------------------------------
 
 

@@ -27,6 +27,17 @@ class AttentionPlan:
         return cls(exact=list(range(n)))
 
 
+@dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """The batched rows as the library's one padded SDPA call reads them: cache slots [first_slot,
+    end_slot) when they are consecutive (views, no copy), else gathered by `gather`."""
+    rows: torch.Tensor  # their indices among the forward's rows
+    first_slot: int
+    end_slot: int
+    gather: torch.Tensor | None  # their slots, when not consecutive
+    padded_length: int  # the longest row's key count: every row's keys padded to it
+
+
 class AttentionRows:
     """The plan as index tensors, built once per forward rather than once per layer.
 
@@ -55,14 +66,14 @@ class AttentionRows:
         rs = slots[plan.batched].tolist()
         consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
         gather = None if consecutive else torch.tensor(rs, device=dev)
-        self.batched = (torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax)
-        self._batched_lengths, self._lmax = lengths, lmax
+        self.batched = PaddedBatch(torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax)
+        self._batched_lengths = lengths
         self._masks: dict[int, torch.Tensor | None] = {}
 
     def mask(self, window: int) -> torch.Tensor | None:
         """The padded SDPA call's key mask for layers with this sliding window (0: none), built once."""
         if window not in self._masks:
-            self._masks[window] = library.length_mask(self._batched_lengths, self._lmax, window)
+            self._masks[window] = library.length_mask(self._batched_lengths, self.batched.padded_length, window)
         return self._masks[window]
 
 
@@ -78,13 +89,10 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRow
     if rows.exact is not None:
         idx, slots, lengths = rows.exact
         out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale, window=window)
-    idx, lo, hi, gather, lmax = rows.batched
-    mask = rows.mask(window)
-    if gather is None:  # consecutive slots: views, no copy
-        kb, vb = K[lo:hi, :, :lmax], V[lo:hi, :, :lmax]
-    else:
-        kb, vb = K[gather, :, :lmax], V[gather, :, :lmax]
+    b = rows.batched
+    keys = slice(b.first_slot, b.end_slot) if b.gather is None else b.gather  # a slice: views, no copy
+    kb, vb = K[keys, :, :b.padded_length], V[keys, :, :b.padded_length]
     if kb.dtype != dtype:
         kb, vb = kb.to(dtype), vb.to(dtype)
-    out[idx] = library.batched_attention(q[idx], kb, vb, mask, scale)
+    out[b.rows] = library.batched_attention(q[b.rows], kb, vb, rows.mask(window), scale)
     return out

@@ -152,6 +152,22 @@ def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
     return ops().gumbel_from_uniform(u.double().contiguous())
 
 
+# A decoder layer's tensors as `decoder_stack` takes them, by LayerWeights field: the one statement of
+# their order. C++ (csrc/stack.cpp) receives these names with the tensors and finds each weight by
+# name: the order is written only here.
+STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", "post_attention_layernorm",
+                 "gate_up", "down_proj", "q_norm", "k_norm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
+
+
+def stack_weights(layers: list) -> list[torch.Tensor]:
+    """The layers' weights flattened for `decoder_stack`: STACK_WEIGHTS per layer, packed matrices as
+    their data, an absent weight (a bias, Gemma's norms on a Llama) as an empty tensor."""
+    none = torch.empty(0, dtype=torch.bfloat16)
+    flat = (getattr(L, name) for L in layers for name in STACK_WEIGHTS)
+    return [none if t is None else t.data if isinstance(t, PackedWeight) else t for t in flat]
+
+
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,
@@ -159,11 +175,10 @@ def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   gemma: bool = False) -> torch.Tensor:
     """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
     `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
-    [layers, S, Hkv, L, D]. `weights`: per layer ln1, qkv, qkv bias, o, o bias, ln2, gate_up, down,
-    q_norm, k_norm, pre-FFN norm, post-FFN norm (an empty tensor: none; the four matrices packed).
+    [layers, S, Hkv, L, D]. `weights`: `stack_weights` of the layers.
     `windows`: each layer's sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer."""
     cos_local, sin_local = local_rope if local_rope is not None else (cos, sin)
-    ops().decoder_stack(h, weights, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
+    ops().decoder_stack(h, weights, STACK_WEIGHTS, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
                         sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads,
                         intermediate, eps, scale, windows or [0] * k_cache.shape[0], gemma)
     return h

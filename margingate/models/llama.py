@@ -21,7 +21,6 @@ import torch
 from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
-from ..kernels.packing import PackedWeight
 from ..kv_cache import KVCache
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights, build
@@ -98,13 +97,8 @@ class LlamaModel:
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
-        if self._stack_weights is None:  # the weights, flattened once in the kernel's order
-            none = torch.empty(0, dtype=torch.bfloat16)
-            self._stack_weights = [none if t is None else t.data if isinstance(t, PackedWeight) else t
-                                   for L in W.layers for t in (
-                L.input_layernorm, L.qkv, L.qkv_bias, L.o_proj, L.o_proj_bias, L.post_attention_layernorm,
-                L.gate_up, L.down_proj, L.q_norm, L.k_norm, L.pre_feedforward_layernorm,
-                L.post_feedforward_layernorm)]
+        if self._stack_weights is None:  # flattened once, in the kernel's order
+            self._stack_weights = invariant_kernels.stack_weights(W.layers)
         cfg = self.config
         (cos, sin), (cos_local, sin_local) = self._rope_tables(positions, torch.bfloat16)
         return invariant_kernels.decoder_stack(

@@ -42,11 +42,11 @@ at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift);
 at::Tensor gumbel_from_uniform(const at::Tensor& u);
 
 // stack.cpp
-void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,
-                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
-                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns, int64_t heads,
-                   int64_t kv_heads, int64_t intermediate, double eps, double scale,
-                   const std::vector<int64_t>& windows, bool gemma);
+void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const std::vector<std::string>& names,
+                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
+                   const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
+                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma);
 std::vector<std::pair<std::string, double>> stack_profile(bool on);
 
 namespace {

@@ -1,6 +1,7 @@
 // The decoder stack in one call (the layer of models/llama.py and models/gemma3.py).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <initializer_list>
 
@@ -33,21 +34,37 @@ struct Phase {
   }
 };
 
-// Per layer: ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, then Gemma's q_norm, k_norm,
-// pre_ffn_norm, post_ffn_norm (empty tensors for the Llama family). qkv, o, gate_up and down are
-// packed (packing.py).
-constexpr int kPerLayer = 12;
+// Where each weight sits among a layer's tensors. Their order is stated once, in Python
+// (kernels/invariant.py: STACK_WEIGHTS), and arrives with them; each is found here by its name.
+// An absent one (a bias, Gemma's norms on a Llama) is an empty tensor; qkv, o, gate_up and down
+// are packed (packing.py).
+struct WeightIndex {
+  int64_t per_layer, ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, q_norm, k_norm, pre_ffn, post_ffn;
+};
+
+WeightIndex weight_index(const std::vector<std::string>& names) {
+  const auto find = [&](const char* name) {
+    const auto it = std::find(names.begin(), names.end(), name);
+    TORCH_CHECK(it != names.end(), "decoder_stack: no layer weight named ", name);
+    TORCH_CHECK(std::find(it + 1, names.end(), name) == names.end(), "decoder_stack: ", name, " named twice");
+    return int64_t(it - names.begin());
+  };
+  return {int64_t(names.size()), find("input_layernorm"), find("qkv"), find("qkv_bias"), find("o_proj"),
+          find("o_proj_bias"), find("post_attention_layernorm"), find("gate_up"), find("down_proj"),
+          find("q_norm"), find("k_norm"), find("pre_feedforward_layernorm"), find("post_feedforward_layernorm")};
+}
+
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
-void check_stack(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+void check_stack(const at::Tensor& h, const std::vector<at::Tensor>& weights, int64_t per_layer,
                  std::initializer_list<const at::Tensor*> ropes, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, int64_t kv_heads, size_t windows) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
               "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
-  TORCH_CHECK(weights.size() % kPerLayer == 0 && int64_t(weights.size() / kPerLayer) == k_cache.size(0),
-              "decoder_stack: 12 tensors per layer, one cache layer each");
+  TORCH_CHECK(int64_t(weights.size()) == per_layer * k_cache.size(0),
+              "decoder_stack: ", per_layer, " tensors per layer (one per name), one cache layer each");
   const at::Tensor& cos = **ropes.begin();
   for (const at::Tensor* t : ropes)
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
@@ -104,16 +121,18 @@ std::vector<std::pair<std::string, double>> stack_profile(bool on) {
 
 // h [N, hidden] bf16, updated in place through every layer. cos, sin [N, D] bf16 (the rows'
 // positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D]
-// bf16; weights: kPerLayer tensors per layer; windows: per layer, 0 or its sliding window.
-// `gemma`: Gemma 3's layer (models/gemma3.py): (1 + w) norms, q/k norms before RoPE, the
-// attention and MLP outputs normed before their residual adds (ln2 is the post-attention norm,
-// the MLP's input norm is pre_ffn_norm), GELU-tanh.
-void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& cos,
-                   const at::Tensor& sin, const at::Tensor& cos_local, const at::Tensor& sin_local,
-                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+// bf16; weights: per layer, one tensor for each of `names` (weight_index); windows: per layer,
+// 0 or its sliding window. `gemma`: Gemma 3's layer (models/gemma3.py): (1 + w) norms, q/k norms
+// before RoPE, the attention and MLP outputs normed before their residual adds (ln2 is the
+// post-attention norm, the MLP's input norm is pre_ffn_norm), GELU-tanh.
+void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const std::vector<std::string>& names,
+                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
+                   const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
                    int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma) {
-  check_stack(h, weights, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache, kv_heads, windows.size());
+  const WeightIndex ix = weight_index(names);
+  check_stack(h, weights, ix.per_layer, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache, kv_heads,
+              windows.size());
   const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
   const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
   at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
@@ -124,15 +143,15 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
   const at::Tensor lengths = ps + 1;
   at::Tensor q = at::empty({n, heads, d}, h.options());
   for (int64_t li = 0; li < k_cache.size(0); ++li) {
-    const at::Tensor* W = &weights[li * kPerLayer];
+    const at::Tensor* W = &weights[li * ix.per_layer];
     const int64_t window = windows[li];
     at::Tensor x, qkv, attn, y, gu, act, qn, kn;
-    { Phase p{0}; x = rmsnorm(h, W[0], eps, gemma); }
-    { Phase p{1}; qkv = linear(x, W[1], qs + 2 * kvs, maybe(W[2]), false); }
+    { Phase p{0}; x = rmsnorm(h, W[ix.ln1], eps, gemma); }
+    { Phase p{1}; qkv = linear(x, W[ix.qkv], qs + 2 * kvs, maybe(W[ix.qkv_bias]), false); }
     if (gemma) {  // q and k normed per head before RoPE
       Phase p{0};
-      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[8], eps, true);
-      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[9], eps, true);
+      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[ix.q_norm], eps, true);
+      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[ix.k_norm], eps, true);
     }
     {
       Phase p{2};
@@ -144,14 +163,14 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const a
       else rotate_and_cache(qkv, qkvp, qs + 2 * kvs, qkvp + qs, qs + 2 * kvs, c, heads, kv_heads, d, q);
     }
     { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
-    { Phase p{1}; y = linear(attn.view({n, qs}), W[3], h.size(1), maybe(W[4]), false); }
-    if (gemma) { Phase p{0}; y = rmsnorm(y, W[5], eps, true); }
+    { Phase p{1}; y = linear(attn.view({n, qs}), W[ix.o], h.size(1), maybe(W[ix.o_bias]), false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], eps, true); }
     { Phase p{4}; add_into(h, y); }
-    { Phase p{0}; x = rmsnorm(h, gemma ? W[10] : W[5], eps, gemma); }
-    { Phase p{1}; gu = linear(x, W[6], 2 * intermediate, c10::nullopt, false); }
+    { Phase p{0}; x = rmsnorm(h, gemma ? W[ix.pre_ffn] : W[ix.ln2], eps, gemma); }
+    { Phase p{1}; gu = linear(x, W[ix.gate_up], 2 * intermediate, c10::nullopt, false); }
     { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
-    { Phase p{1}; y = linear(act, W[7], h.size(1), c10::nullopt, false); }
-    if (gemma) { Phase p{0}; y = rmsnorm(y, W[11], eps, true); }
+    { Phase p{1}; y = linear(act, W[ix.down], h.size(1), c10::nullopt, false); }
+    if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.post_ffn], eps, true); }
     { Phase p{4}; add_into(h, y); }
   }
 }
