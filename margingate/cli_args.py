@@ -126,7 +126,7 @@ def add_prompt_args(p: argparse.ArgumentParser, limit: int | None, what: str = "
 
 def policy_spec(args) -> PolicySpec:
     """The policy asked for, `auto` resolved for --device."""
-    return PolicySpec(args.policy, tau=args.tau, repair=args.repair, precision=args.verifier_precision,
+    return PolicySpec(args.policy, tau=args.tau, repair=args.repair, verifier_precision=args.verifier_precision,
                       strict=not args.no_strict, defer=args.defer, window=args.window, group=args.group,
                       inject_flip_at=args.inject_flip_at).resolve(args.device)
 

@@ -1,8 +1,6 @@
 """The facade: load a model, build an engine, turn prompts into results."""
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -13,7 +11,7 @@ from .engine import Engine, EngineConfig, Request, Result
 from .engine.engine import StreamEvent
 from .engine.logprobs import TokenLogprob
 from .engine.sampling import SamplingParams
-from .kernels import VERSION as KERNELS_VERSION
+from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
 from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
@@ -94,24 +92,4 @@ class LLM:
 
     def environment(self) -> dict:
         """What the determinism contract depends on besides the request: record it in every report."""
-        return {"model": self.model_name, "model_fingerprint": self.config.fingerprint(),
-                "device": str(self.model.device), "torch": torch.__version__,
-                "num_threads": self.engine.num_threads, "default_tau": self.default_tau,
-                "tau_source": "profile" if self.profile else "built-in default", "machine": platform.machine(),
-                "cpu": _cpu_info("model name") or platform.processor() or "unknown",
-                "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
-                "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION,
-                "kernels_linear_path": invariant.linear_path(),
-                "python": platform.python_version()}
-
-
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
-
-
-def _cpu_info(key: str) -> str | None:
-    """A field of /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
-    except OSError:
-        return None
+        return environment_record(self)

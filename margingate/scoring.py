@@ -79,9 +79,9 @@ def read_pairs(args, tokenizer) -> list[tuple[list[int], list[int]]]:
 
 
 def cmd_score(args) -> None:
-    from . import args as cli
+    from . import cli_args
 
-    llm = cli.llm(args, args.max_batch_size)
+    llm = cli_args.llm(args, args.max_batch_size)
     pairs = read_pairs(args, llm.tokenizer)
     scores = llm.score_batch(pairs, top_logprobs=args.top_logprobs, progress=len(pairs) > 1)
     for i, score in enumerate(scores):
@@ -89,14 +89,14 @@ def cmd_score(args) -> None:
 
 
 def add_parser(sub) -> None:
-    from . import args as cli
+    from . import cli_args
 
     p = sub.add_parser("score", help="logprobs of a continuation after a prompt (what generation reports)")
     p.add_argument("--prompt", help="the prompt text (encoded without special tokens)")
     p.add_argument("--continuation", help="the text whose tokens are scored")
     p.add_argument("--file", help="JSON lines: {prompt, continuation} or {prompt_ids, continuation_ids}")
-    p.add_argument("--top-logprobs", type=cli.int_at_least(0), default=0, metavar="K",
+    p.add_argument("--top-logprobs", type=cli_args.int_at_least(0), default=0, metavar="K",
                    help=f"also the K most likely tokens at each position (at most {MAX_LOGPROBS})")
-    p.add_argument("--max-batch-size", type=cli.positive_int, default=16)
-    cli.add_model_args(p)
+    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=16)
+    cli_args.add_model_args(p)
     p.set_defaults(func=cmd_score)

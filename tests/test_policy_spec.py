@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from margingate.args import policy_spec
 from margingate.cli import build_parser
-from margingate.policies import POLICIES, PolicyOptionError, PolicySpec, deterministic_policies
+from margingate.cli_args import policy_spec
+from margingate.policies import POLICIES, REPAIRS, PolicyOptionError, PolicySpec, deterministic_policies
 
 
 def test_unknown_policy():
@@ -33,10 +33,14 @@ def test_edge_taus_accepted():
 
 @pytest.mark.parametrize("options, option, needle", [
     ({"repair": "bogus"}, "repair", "unknown repair mode 'bogus'"),
-    ({"precision": "fp16"}, "precision", "unknown verifier precision 'fp16'"),
+    ({"verifier_precision": "fp16"}, "verifier_precision", "unknown verifier precision 'fp16'"),
     ({"defer": -1}, "defer", "defer must be an integer >= 0"),
+    ({"defer": 1025}, "defer", "defer must be an integer <= 1024"),
     ({"window": 0}, "window", "dvr window must be an integer >= 1"),
+    ({"window": 257}, "window", "dvr window must be an integer <= 256"),
     ({"group": 1.5}, "group", "dvr group must be an integer >= 1"),
+    ({"group": 65}, "group", "dvr group must be an integer <= 64"),
+    ({"name": "nope"}, "policy", "unknown policy"),
     ({"strict": "yes"}, "strict", "strict must be true or false"),
     ({"inject_flip_at": 3, "name": "fast"}, "inject_flip_at", "needs a verifying policy"),
 ])
@@ -56,15 +60,27 @@ def test_defaults_and_build():
     assert PolicySpec("margin").replace(tau=0.5).build().tau == 0.5
 
 
-def test_facts_come_from_the_classes():
-    """Which policies promise determinism, and with which options (a non-strict or column margin
-    does not: a flip the gate misses is never taken back)."""
+def test_promises_are_derived_once_from_the_options():
+    """Which policies promise determinism, with which options (a non-strict or column margin does not: a
+    flip the gate misses is never taken back), from one place: the spec, its built policy and every option
+    combination agree."""
     assert set(deterministic_policies()) == {"reference", "margin", "verify-all", "dvr", "batch-invariant", "auto"}
-    assert not POLICIES["fast"].deterministic and not POLICIES["layercast"].deterministic
-    assert PolicySpec("margin").build().deterministic and PolicySpec("verify-all").build().deterministic
-    assert not PolicySpec("margin", strict=False).build().deterministic
-    assert not PolicySpec("margin", repair="column").build().deterministic
-    assert {n for n, cls in POLICIES.items() if cls.verifies} == {"margin", "verify-all", "dvr"}
+    assert not PolicySpec("fast").deterministic and not PolicySpec("layercast").deterministic
+    assert PolicySpec("margin").deterministic and PolicySpec("verify-all").deterministic
+    assert not PolicySpec("margin", strict=False).deterministic
+    assert not PolicySpec("margin", repair="column").deterministic
+    assert PolicySpec("dvr", strict=False, repair="none").deterministic  # options dvr does not use
+    assert PolicySpec("verify-all", strict=False).deterministic
+    assert {n for n in POLICIES if PolicySpec(n).promise.verifies} == {"margin", "verify-all", "dvr"}
+    for name in POLICIES:
+        for repair in REPAIRS:
+            for strict in (True, False):
+                spec = PolicySpec(name, repair=repair, strict=strict)
+                policy = spec.build()
+                assert policy.promise == spec.promise, spec
+                assert policy.guarantees_logprobs == spec.deterministic, spec
+    # a non-strict margin never defers: only the strict replay can take back a token decoded after a late flip
+    assert PolicySpec("margin", strict=False, defer=8).build().defer == 0
 
 
 def test_auto_resolves_per_device():

@@ -52,6 +52,26 @@ def test_logprobs_alone_equal_batched_and_scored(llm, prompts, policy):
         assert [t.top for t in score.tokens] == [t.top for t in batched[i].logprobs]
 
 
+@pytest.mark.parametrize("policy", ["margin", "dvr"])
+def test_stream_releases_tokens_with_their_logprobs(llm, prompts, policy):
+    """`Engine.release` is the one release loop (`stream` here, the server's worker alike): the events of a
+    request carry its tokens with their logprobs, and its prompt's logprobs once, and joined they are the
+    final result; a strict policy releases only verified tokens, so each event's logprobs are final."""
+    ids = ids_of(llm, prompts, HET8[:4])
+    sp = SamplingParams(logprobs=2, prompt_logprobs=1)
+    reqs = [Request(x, TOKENS, llm.policy(policy), ignore_eos=True, request_id=f"r{i}", sampling=sp)
+            for i, x in enumerate(ids)]
+    events = list(llm.engine.stream(reqs))
+    for r in reqs:
+        mine = [e for e in events if e.request_id == r.request_id]
+        final = mine[-1].result
+        assert mine[-1].finished and sum(e.finished for e in mine) == 1
+        assert [t for e in mine for t in e.token_ids] == final.token_ids
+        assert [x for e in mine for x in e.logprobs] == final.logprobs
+        prompt = [e.prompt_logprobs for e in mine if e.prompt_logprobs is not None]
+        assert prompt == [final.prompt_logprobs] and len(final.prompt_logprobs) == len(r.prompt_ids)
+
+
 def test_guaranteed_policies_report_the_same_logprobs(llm, prompts):
     """batch-invariant, margin and dvr all report the canonical rows: the same bits."""
     ids = ids_of(llm, prompts, HET8[:4])

@@ -149,19 +149,25 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[-1].usage.completion_tokens == len(ids)  # include_usage: a last chunk without choices
 
 
-def test_streams_are_strict_unless_asked(client):
-    """A deterministic stream releases verified tokens only, as the non-streamed answer does; non-strict
-    is an explicit opt-in, and its report says the output is not guaranteed."""
-    def final_report(determinism: dict) -> dict:
+def test_streams_are_strict_unless_asked(client, http):
+    """A deterministic stream releases verified tokens only, as the non-streamed answer does. Non-strict
+    is an explicit opt-in that promises nothing: the report says so, and `"deterministic": true` with it
+    is refused, naming `strict` (it was accepted, then reported as not guaranteed)."""
+    def final_report(**extra) -> dict:
         chunks = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=6, stream=True,
-                                                extra_body={"deterministic": True, "determinism": determinism}))
+                                                extra_body=extra))
         return [c for c in chunks if c.choices[0].finish_reason][0].model_extra["determinism"]
 
-    strict = final_report({"policy": "margin"})
-    assert strict["strict"] is True and strict["guaranteed"] is True and "warning" not in strict
-    loose = final_report({"policy": "margin", "strict": False})
-    assert loose["strict"] is False and loose["batch_invariant"] is False and loose["guaranteed"] is False
-    assert "not guaranteed" in loose["warning"] or "may differ" in loose["warning"]
+    strict = final_report(deterministic=True, determinism={"policy": "margin"})
+    assert strict["strict"] is True and strict["guaranteed"] is True and strict["deterministic"] is True
+    loose = final_report(determinism={"policy": "margin", "strict": False})
+    assert loose["strict"] is False and loose["deterministic"] is False and loose["guaranteed"] is False
+    for block, option in (({"policy": "margin", "strict": False}, "strict"),
+                          ({"policy": "margin", "repair": "column"}, "repair")):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 6,
+                                               "deterministic": True, "determinism": block})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"determinism.{option}", r.text
 
 
 def test_stop_string(client):
@@ -316,10 +322,13 @@ def test_malformed_bodies(http, body, status, needle):
     ({"determinsm": {}}, "determinsm", "unknown field"),
     ({"determinism": {"policy": "magic"}}, "determinism.policy", "unknown policy"),
     ({"determinism": {"strict": "no"}}, "determinism.strict", "boolean"),
-    ({"determinism": {"tau": -1}}, "determinism.tau", "greater than or equal to 0"),
+    ({"determinism": {"tau": -1}}, "determinism.tau", "tau must be a number >= 0"),
     ({"determinism": {"repair": "glue"}}, "determinism.repair", "unknown repair"),
-    ({"determinism": {"window": 0}}, "determinism.window", "greater than or equal to 1"),
-    ({"determinism": {"policy": "margin", "defer": -1}}, "determinism.defer", "greater than or equal to 0"),
+    ({"determinism": {"window": 0}}, "determinism.window", "dvr window must be an integer >= 1"),
+    ({"determinism": {"window": 257}}, "determinism.window", "dvr window must be an integer <= 256"),
+    ({"determinism": {"group": 65}}, "determinism.group", "dvr group must be an integer <= 64"),
+    ({"determinism": {"policy": "margin", "defer": -1}}, "determinism.defer", "defer must be an integer >= 0"),
+    ({"determinism": {"policy": "margin", "defer": 1025}}, "determinism.defer", "<= 1024"),
     ({"determinism": {"verifier_precision": "fp8"}}, "determinism.verifier_precision", "unknown verifier precision"),
     ({"determinism": {"policy": "margin", "bogus": 1}}, "determinism.bogus", "unknown field"),
     ({"deterministic": False, "determinism": {"policy": "margin"}}, "deterministic", "contradicts"),

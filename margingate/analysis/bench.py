@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .. import args as cli
+from .. import cli_args
 from ..llm import LLM
 from ..policies import PolicySpec
 from . import compare, plots
@@ -25,7 +25,7 @@ from .outputs import machine_line, percent, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
 from .roofline import StepCost, format_roofline, measure, roofline
-from .runs import Runner
+from .runs import CachedRuns
 
 # variant name -> the policy "protected" requests get; the rest run UNPROTECTED.
 VARIANTS = {
@@ -78,7 +78,7 @@ class Bench:
     def reference(self, ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(ids), max_new_tokens)
         if key not in self._reference:
-            run = Runner(self.llm, [ids], max_new_tokens, progress=False).run(
+            run = CachedRuns(self.llm, [ids], max_new_tokens, progress=False).run(
                 {"kind": "bench-reference"}, [[0]], lambda i, r: (self.llm.policy("reference"), None))
             self._reference[key] = run["rows"][0][1]
         return self._reference[key]
@@ -91,7 +91,7 @@ class Bench:
         mask = [True] * n if variant in PROTECT_ALL else w.protected_mask()
         assert self.llm.engine.config.max_batch_size == w.batch_size
         # one stream of every request, arriving at once: the engine batches them B at a time
-        run = Runner(self.llm, w.prompt_ids, w.max_new_tokens, progress=False).run(
+        run = CachedRuns(self.llm, w.prompt_ids, w.max_new_tokens, progress=False).run(
             {"kind": "bench", "variant": variant}, [list(range(n))],
             lambda i, r: (self.llm.policy(spec if mask[i] else UNPROTECTED), None), arrivals=[[0] * n])
         protected = [row for row in run["rows"] if mask[row[0]]]
@@ -233,8 +233,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", help="humaneval, sharegpt, champ or builtin, instead of --prompts-file")
     p.add_argument("--seed", type=int, default=0, help="seed of the --dataset subset")
     p.add_argument("--limit", type=int, default=32, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
-    p.add_argument("--batch-sizes", type=cli.int_list, default=[8, 16])
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128)
+    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[8, 16])
     p.add_argument("--policies", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -248,7 +248,7 @@ def add_parser(sub) -> None:
                    help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up, no pass profile")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
     p.add_argument("--json", action="store_true")
-    cli.add_model_args(p)
+    cli_args.add_model_args(p)
     p.set_defaults(func=_cmd)
 
 
@@ -272,7 +272,7 @@ def _cmd(args) -> None:
     def factory(b):
         if b not in cache:
             cache.clear()
-            cache[b] = cli.llm(args, b)
+            cache[b] = cli_args.llm(args, b)
         return cache[b]
 
     llm = factory(max(args.batch_sizes))
@@ -280,7 +280,7 @@ def _cmd(args) -> None:
         from ..data.datasets import dataset_prompts
         prompts = dataset_prompts(args.dataset, args.limit, args.seed, llm.tokenizer)
     else:
-        prompts = cli.prompts(args)
+        prompts = cli_args.prompts(args)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
     peers = make_peers(peer_names, llm.folder, llm.engine.num_threads)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,

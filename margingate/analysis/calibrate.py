@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .. import args as cli
+from .. import cli_args
+from ..environment import versions
 from ..policies import PolicySpec
 from . import plots
 from .compare import flip_rates, judge, overhead, summary
@@ -38,7 +37,7 @@ from .traces import TraceRunner, reference_tokens
 
 FAST = PolicySpec("fast")
 #: the margin policy swept: replay repair, strict=False (a flip the gate misses is counted, not hidden)
-SWEPT = PolicySpec("margin", repair="replay", precision="bf16", strict=False)
+SWEPT = PolicySpec("margin", repair="replay", verifier_precision="bf16", strict=False)
 #: what a margin run reports (Table 7, Table 9), from the judged runs
 MARGIN_KEYS = ("runs", "sequence_determinism", "trigger_rate", "repair_rate", "replay_rate", "missed_flips",
                "runs_with_missed_flips", "decode_steps")
@@ -111,18 +110,6 @@ def summarise(judged: list[dict], seconds: float, fast_seconds: float) -> dict:
             "overhead": overhead(seconds, fast_seconds)}
 
 
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version(), "machine": platform.machine(), "torch": torch.__version__}
-    for pkg in ("margingate", "numpy", "transformers", "tokenizers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def traced_references(llm, cfg: CalibrateConfig, dataset: str, cache_dir, progress) -> tuple:
     """The dataset's prompts, a runner over them and their traced references."""
     prompts = load_prompts(llm, dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
@@ -193,12 +180,13 @@ def sweep(s: Sweep, taus: list[float], cfg: CalibrateConfig) -> tuple[list[dict]
 
 def profile_at(llm, cfg: CalibrateConfig, delta: dict, point: dict, prompts: int) -> dict:
     """The model profile saved at the chosen operating point (the engine's default tau)."""
+    env = llm.environment()
     return {"tau": point["tau"], "delta": {k: delta.get(k) for k in ("median", "median_nonzero", "max", "top_k")},
             "dataset": cfg.dataset, "prompts": prompts, "seed": cfg.seed,
             "batch_sizes": cfg.batch_sizes, "max_new_tokens": cfg.max_new_tokens,
             "criterion": CRITERION, "trigger_rate": point["trigger_rate"],
             "overhead": point["overhead"], "date": _dt.date.today().isoformat(),
-            "threads": llm.engine.num_threads, "device": str(llm.model.device), "versions": versions()}
+            "threads": env["num_threads"], "device": env["device"], "versions": versions(env)}
 
 
 def transfer(llm, cfg: CalibrateConfig, name: str, tau: float, cache_dir, progress) -> dict:
@@ -273,7 +261,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="estimate delta, sweep tau, save the model's profile (paper App. A)")
     add_run_args(p)
     p.set_defaults(dataset="champ")
-    p.add_argument("--batch-sizes", type=cli.int_list, default=[8, 16])
+    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[8, 16])
     p.add_argument("--taus", default=None, help="comma-separated taus (default: a grid built from delta)")
     p.add_argument("--transfer", default="humaneval,sharegpt", help="datasets for Table 9 ('none' to skip)")
     p.add_argument("--full-sweep", action="store_true",
@@ -291,7 +279,7 @@ def cmd_calibrate(args) -> None:
     cfg = CalibrateConfig(args.dataset, args.limit, args.seed, args.batch_sizes,
                           _floats(args.taus) if args.taus else None, args.max_new_tokens, args.max_prompt_tokens,
                           not args.respect_eos, transfer_sets, not args.full_sweep)
-    llm = cli.llm(args, max(cfg.batch_sizes))
+    llm = cli_args.llm(args, max(cfg.batch_sizes))
     rep = run_calibrate(llm, cfg, cache_dir_of(args), progress=not args.quiet,
                         profile_dir=Path(args.profile_dir) if args.profile_dir else None, save=not args.no_save)
     out = Path(args.out or f"results/calibrate/{Path(args.dataset).stem}")

@@ -13,13 +13,19 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from .. import cli_args
 from ..data.prompts import Prompt
+from ..distributed.options import add_ray_args, worker_pool
 from ..engine.policy import Policy
-from ..llm import LLM
+from ..policies import PolicySpec
 from .compare import judge, summary
 from .outputs import machine_line, percent
-from .runs import Runner, batches, staggered
+from .runs import CachedRuns, batches, staggered
+
+if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
+    from ..llm import LLM
 
 MODES = ("hetero", "homo", "staggered")
 #: what check reports per (batch size, mode) and over all runs
@@ -44,7 +50,7 @@ class Checker:
         self.reference_policy = reference
         self.reference: list[list[int]] = []
         # pool (a distributed WorkerPool): each batch or staggered stream runs whole on one of its workers
-        self.runner = Runner(llm, self.ids, max_new_tokens, ignore_eos=False, progress=progress, pool=pool)
+        self.runner = CachedRuns(llm, self.ids, max_new_tokens, ignore_eos=False, progress=progress, pool=pool)
 
     def _spec(self, policy: Policy, mode: str, size: int) -> dict:
         return {"kind": "check", "policy": policy.name, **policy.settings(), "mode": mode, "size": size}
@@ -113,3 +119,44 @@ def format_table(report: dict) -> str:
 def _rates_cells(r: dict) -> str:
     return (f"{r['runs']:>5} {percent(r['sequence_determinism']):>8} {r['flips']:>6} {percent(r['flip_rate']):>10} "
             f"{percent(r['trigger_rate']):>8} {percent(r['repair_rate']):>8} {percent(r['replay_rate']):>8}")
+
+
+# --- `margingate check` ----------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("check", help="does a policy give the reference tokens whatever shares its batch?")
+    cli_args.add_prompt_args(c, 16)
+    c.add_argument("--batch-sizes", type=cli_args.int_list, default=[4, 16])
+    c.add_argument("--modes", default="hetero,homo,staggered", help="any of hetero,homo,staggered")
+    c.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128)
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--out", help="also write the JSON report here")
+    cli_args.add_model_args(c)
+    cli_args.add_policy_args(c, "margin")
+    add_ray_args(c)
+    c.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> None:
+    modes = parse_modes(args.modes)
+    spec = cli_args.policy_spec(args)
+    prompts = cli_args.prompts(args)
+    with worker_pool(args, max(args.batch_sizes)) as pool:  # --ray: each batch runs whole on one worker
+        llm = cli_args.llm(args, max(args.batch_sizes))
+        # The trajectory each policy promises. A policy that promises none (fast, layercast) is judged
+        # against itself alone (its kernels differ from the reference's, so comparing it with the
+        # reference would count kernels or precision, not batching, as flips).
+        ref = PolicySpec("reference", verifier_precision=spec.verifier_precision) if spec.deterministic else spec
+        make, reference = (lambda: llm.policy(spec)), (lambda: llm.policy(ref))
+        t0 = time.perf_counter()
+        report = Checker(llm, prompts, make, reference, args.max_new_tokens, progress=not args.json,
+                         pool=pool).run(args.batch_sizes, modes)
+        environment = (pool or llm).environment()  # with --ray: a worker's, and the pool's shape
+    report = {"policy": spec.name, "chosen_by": spec.chosen_by, "settings": make().settings(),
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
+              "modes": modes,
+              "environment": environment, "seconds": round(time.perf_counter() - t0, 1), **report}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report) if args.json else format_table(report))

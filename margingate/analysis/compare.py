@@ -40,7 +40,7 @@ class Judgement:
 
 
 def judge(references: Sequence[list[int]] | Mapping[int, list[int]], rows: Iterable[tuple]) -> list[dict]:
-    """Judge each run row `(prompt index, token ids, stats, trace or None)` (a `Runner` row)
+    """Judge each run row `(prompt index, token ids, stats, trace or None)` (a `CachedRuns` row)
     against `references[prompt index]`: the prompt, its Judgement, trace, stats and tokens."""
     out = []
     for i, tokens, stats, trace in rows:

@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+from .. import cli_args
 from ..data.prompts import builtin_prompts
-from ..llm import LLM
 from .compare import counter_totals, first_divergence
 
+if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
+    from ..llm import LLM
+
 PICK = (0, 10, 20, 30, 5, 15, 25, 35)  # two of each category: math, code, chat, instruction
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("demo", help="the problem and the fix on 8 built-in prompts")
+    d.add_argument("--max-new-tokens", type=cli_args.positive_int, default=96)
+    cli_args.add_model_args(d)
+    d.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> None:
+    run_demo(cli_args.llm(args, 8), max_new_tokens=args.max_new_tokens)
 
 
 def _show(llm: LLM, ids: list[int], at: int) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import args as cli
+from .. import cli_args
 from . import plots
 from .compare import flip_rates, judge
 from .diagnostics import (
@@ -252,11 +252,11 @@ def write_outputs(rep: dict, out: Path, plot: bool = True) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("flips", help="flip rates, K/V deviation, ranks, near ties, oracle repair (paper §2)")
     add_run_args(p)
-    p.add_argument("--batch-sizes", type=cli.int_list, default=[4, 8, 16])
-    p.add_argument("--homo-sizes", type=cli.int_list_or_none, default=[4],
+    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[4, 8, 16])
+    p.add_argument("--homo-sizes", type=cli_args.int_list_or_none, default=[4],
                    help="homogeneous batch sizes ('none' to skip)")
     p.add_argument("--homo-limit", type=int, default=8, help="prompts replicated in homogeneous batches")
-    p.add_argument("--oracle-sizes", type=cli.int_list_or_none, default=[8],
+    p.add_argument("--oracle-sizes", type=cli_args.int_list_or_none, default=[8],
                    help="batch sizes for the oracle repair (Table 5; 'none' to skip)")
     p.add_argument("--oracle-rounds", type=int, default=1)
     p.add_argument("--out", default=None, help="output folder (default results/flips/<dataset>)")
@@ -268,7 +268,7 @@ def cmd_flips(args) -> None:
                       args.oracle_sizes, args.oracle_rounds, args.max_new_tokens, args.max_prompt_tokens,
                       not args.respect_eos)
     sizes = [*cfg.batch_sizes, *cfg.homo_sizes, *cfg.oracle_sizes]
-    llm = cli.llm(args, max(sizes))
+    llm = cli_args.llm(args, max(sizes))
     rep = run_flips(llm, cfg, cache_dir_of(args), progress=not args.quiet)
     out = Path(args.out or f"results/flips/{Path(args.dataset).stem}")
     write_outputs(rep, out, plot=not args.no_plots)

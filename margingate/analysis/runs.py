@@ -1,5 +1,5 @@
 """Running prompts through the engine for a measurement: which prompts share a run, and a
-runner that executes the runs and caches each finished one on disk.
+runner (`CachedRuns`) that executes the runs and caches each finished one on disk.
 
 Batch plans (prompt indices per run):
 - hetero: consecutive prompts of the set, wrapping so that every batch is full;
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import args as cli
+from .. import cli_args
 from ..engine import Request
-from ..kernels import VERSION as KERNELS_VERSION
+from ..environment import environment_record
 
 CACHE_VERSION = "flips-v1"  # the format of a cached run (the name predates the other users)
 PLANS = ("hetero", "homo", "alone", "chunks")
@@ -56,7 +56,7 @@ def settings_key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-class Runner:
+class CachedRuns:
     """Runs groups of requests on one LLM, caching each finished run under `cache_dir` (None: no cache).
 
     A row of a run is `(prompt index, token ids, stats, packed trace or None)`.
@@ -68,10 +68,12 @@ class Runner:
         self.ignore_eos, self.progress, self.tag = ignore_eos, progress, tag
         self.pool = pool  # a distributed.offline.WorkerPool: groups run on its workers, not on llm.engine
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.base = {"version": CACHE_VERSION, "kernels": KERNELS_VERSION, "model": llm.config.fingerprint(),
+        env = environment_record(llm, (pool or llm.engine).num_threads)  # with a pool: a worker's threads
+        # the key names and values predate the record: renaming them would orphan every cached run
+        self.base = {"version": CACHE_VERSION, "kernels": env["kernels_version"], "model": env["model_fingerprint"],
                      "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
-                     "ignore_eos": ignore_eos, "threads": (pool or llm.engine).num_threads,
-                     "torch": torch.__version__, "device": str(llm.model.device)}
+                     "ignore_eos": ignore_eos, "threads": env["num_threads"],
+                     "torch": env["torch"], "device": env["device"]}
 
     def key(self, spec: dict) -> str:
         return settings_key({**self.base, **spec})
@@ -158,14 +160,14 @@ def add_run_args(p) -> None:
                    help="humaneval, sharegpt, champ, builtin, or a JSON-lines file")
     p.add_argument("--limit", type=int, default=48, help="prompts (a deterministic subset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=400, help="skip longer prompts")
     p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: fixed length)")
     p.add_argument("--cache-dir", default=None, help="per-run cache (default: <margingate cache>/runs)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    cli.add_model_args(p)
+    cli_args.add_model_args(p)
 
 
 def cache_dir_of(args) -> Path | None:

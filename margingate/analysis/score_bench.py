@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .. import args as cli
+from .. import cli_args
 from ..data.datasets import dataset_prompts
 from .outputs import machine_line, write_report
 from .peers import VLLMPeer, run_worker
@@ -56,7 +56,7 @@ def markdown(report: dict) -> str:
 
 
 def _cmd(args) -> None:
-    llm = cli.llm(args, args.batch_size)
+    llm = cli_args.llm(args, args.batch_size)
     prompts = dataset_prompts(args.dataset, args.limit, args.seed, llm.tokenizer, args.max_prompt_tokens)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
     tokens = sum(map(len, ids))
@@ -79,13 +79,13 @@ def _cmd(args) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-score", help="echo scoring throughput (prompt tokens/s), ours and vLLM's, one run")
     p.add_argument("--dataset", default="sharegpt", help="humaneval, sharegpt, champ or builtin")
-    p.add_argument("--limit", type=cli.positive_int, default=64)
+    p.add_argument("--limit", type=cli_args.positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-prompt-tokens", type=cli.positive_int, default=512)
-    p.add_argument("--batch-size", type=cli.positive_int, default=16)
-    p.add_argument("--repeats", type=cli.positive_int, default=3)
-    p.add_argument("--warmup", type=cli.non_negative_int, default=1)
+    p.add_argument("--max-prompt-tokens", type=cli_args.positive_int, default=512)
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=16)
+    p.add_argument("--repeats", type=cli_args.positive_int, default=3)
+    p.add_argument("--warmup", type=cli_args.non_negative_int, default=1)
     p.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (make vllm-venv)")
     p.add_argument("--out", default="results/bench-score")
-    cli.add_model_args(p)
+    cli_args.add_model_args(p)
     p.set_defaults(func=_cmd)

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..engine.sequence import Sequence
-from ..policies import FastPolicy, ReferencePolicy
-from .runs import Runner, batches
+from ..policies import FastPolicy, PolicySpec, ReferencePolicy
+from .runs import CachedRuns, batches
 
 TOPK = 16          # batched top-k kept per step (rank / near-tie counts are capped here)
 DELTA_K = 8        # delta: batched vs reference logits over the reference's top-8 tokens
@@ -76,7 +76,7 @@ class TraceReference(ReferencePolicy):
     """The reference policy, recording its logits and the columns it writes."""
 
     def __init__(self, trace: Trace):
-        super().__init__("bf16")
+        super().__init__(PolicySpec("reference"))
         self.trace = trace
 
     def commit(self, seq, logits, verified):
@@ -88,6 +88,7 @@ class TraceFast(FastPolicy):
     """Plain batched decoding, recording logits and column deviations against the reference."""
 
     def __init__(self, trace: Trace, ref: dict | None):
+        super().__init__(PolicySpec("fast"))
         self.trace, self.ref = trace, ref
 
     def commit(self, seq, logits, verified):
@@ -99,6 +100,7 @@ class OracleRepair(FastPolicy):
     """Table 5: at known flip positions emit the reference token and write the reference's column."""
 
     def __init__(self, trace: Trace, ref: dict, fire_at: set[int]):
+        super().__init__(PolicySpec("fast"))
         self.trace, self.ref, self.fire_at = trace, ref, set(fire_at)
 
     def commit(self, seq, logits, verified):
@@ -120,7 +122,7 @@ def _traced(build) -> tuple:
     return build(t), t
 
 
-class TraceRunner(Runner):
+class TraceRunner(CachedRuns):
     """The traced runs the diagnostics need, each cached like any run."""
 
     def reference(self) -> list[dict]:

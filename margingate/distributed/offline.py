@@ -3,7 +3,7 @@
 A *group* is what one `engine.generate` call gets: a shard of `generate`'s prompts, or one
 batch (or one staggered stream) of a `check` plan, never split, so a batch's composition is
 the same as in a local run. Each actor builds its engine exactly as the command would locally
-(`args.llm`), with `threads_per_worker` torch threads: its core budget.
+(`cli_args.llm`), with `threads_per_worker` torch threads: its core budget.
 
 Fault tolerance: every group is tracked until its results come back; a group whose actor died
 goes back to the queue and runs again, whole, on a fresh actor. A group's results are kept
@@ -21,18 +21,18 @@ from itertools import islice
 
 from tqdm import tqdm
 
-from .. import args as cli
+from .. import cli_args
 from ..engine import Request, Result
 from . import require_ray
 
 MAX_RETRIES = 3  # per group: a group that kills its worker this often is a bug, not bad luck
 
 
-class EngineWorker:
+class RayEngineActor:
     """The body of one Ray actor: one engine, built from the command's own arguments."""
 
     def __init__(self, args: argparse.Namespace, max_batch_size: int, threads: int):
-        self.llm = cli.llm(argparse.Namespace(**{**vars(args), "threads": threads}), max_batch_size)
+        self.llm = cli_args.llm(argparse.Namespace(**{**vars(args), "threads": threads}), max_batch_size)
 
     def generate(self, requests: list[Request], crash_after: int | None = None) -> list[Result]:
         if crash_after is not None:  # testing: die mid-group, after some engine steps' tokens
@@ -56,7 +56,7 @@ class WorkerPool:
         self.crash_next: int | None = None  # testing: the next group submitted kills its worker
         self.restarts = 0
         # max_restarts=0: a dead actor stays dead; the pool replaces it and re-runs its group itself.
-        self._actor = self.ray.remote(num_cpus=threads, max_restarts=0)(EngineWorker)
+        self._actor = self.ray.remote(num_cpus=threads, max_restarts=0)(RayEngineActor)
         self.actors = [self._spawn() for _ in range(workers)]
 
     def _spawn(self):

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .. import args as cli
+from .. import cli_args
 from . import RAY_EXTRA, require_ray
 
 LOCAL = "local"  # `--ray` without an address: a Ray instance started by this process
@@ -20,9 +20,9 @@ def add_ray_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
                    help="run on Ray: a cluster's address (HOST:PORT of `ray start --head`, ray://HOST:10001, "
                         "auto), or without one a Ray instance started here on this machine's cores")
     if workers:
-        g.add_argument("--ray-workers", type=cli.positive_int, default=None, metavar="N",
+        g.add_argument("--ray-workers", type=cli_args.positive_int, default=None, metavar="N",
                        help="Ray actors, one engine each (default: the cluster's CPUs / --threads-per-worker)")
-        g.add_argument("--threads-per-worker", type=cli.positive_int, default=1, metavar="T",
+        g.add_argument("--threads-per-worker", type=cli_args.positive_int, default=1, metavar="T",
                        help="torch threads (and Ray CPUs) of each worker's engine (default 1; the tokens "
                             "do not depend on it)")
 

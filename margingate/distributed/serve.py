@@ -14,7 +14,7 @@ import sys
 import threading
 import uuid
 
-from .. import args as cli
+from .. import cli_args
 from . import metrics, require_ray
 from .options import LOCAL, connect
 
@@ -39,7 +39,7 @@ def deployment(args: argparse.Namespace, config, replicas: int, threads: int):
             self.args, self.config = argparse.Namespace(**{**vars(args), "threads": threads}), config
 
         def __serve_build_asgi_app__(self):
-            app = create_app(cli.llm(self.args, self.args.max_batch_size), self.config)
+            app = create_app(cli_args.llm(self.args, self.args.max_batch_size), self.config)
             self.board, self.id, self.stop = metrics.board(), uuid.uuid4().hex, threading.Event()
             metrics.start_pushing(self.board, self.id, app.state.server.metrics.render, self.stop)
             return metrics.fleet_metrics(app, self.board, self.id)

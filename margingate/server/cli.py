@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from .. import args as cli
+from .. import cli_args
 from ..distributed.options import add_ray_args
 from ..policies import deterministic_policies
 from .config import ServerConfig
@@ -31,22 +31,22 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MARGINGATE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $MARGINGATE_API_KEY)")
-    p.add_argument("--max-batch-size", type=cli.positive_int, default=16, help="KV slots = decode rows per step")
-    p.add_argument("--max-queue", type=cli.non_negative_int, default=ServerConfig.max_queue,
+    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=16, help="KV slots = decode rows per step")
+    p.add_argument("--max-queue", type=cli_args.non_negative_int, default=ServerConfig.max_queue,
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
     p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),
                    help='what "deterministic": true means (default auto: batch-invariant on CPU, margin on CUDA)')
     p.add_argument("--deterministic-by-default", action="store_true",
                    help="requests that ask for nothing get --default-policy too (for clients that cannot add "
                         'fields, such as lm-eval; "deterministic": false still opts out)')
-    p.add_argument("--default-max-tokens", type=cli.positive_int, default=ServerConfig.default_max_tokens,
+    p.add_argument("--default-max-tokens", type=cli_args.positive_int, default=ServerConfig.default_max_tokens,
                    help="when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they fail")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    cli.add_model_args(p)
-    cli.add_prefix_cache_arg(p)
-    p.add_argument("--replicas", type=cli.positive_int, default=None, metavar="N",
+    cli_args.add_model_args(p)
+    cli_args.add_prefix_cache_arg(p)
+    p.add_argument("--replicas", type=cli_args.positive_int, default=None, metavar="N",
                    help="N engine replicas behind one HTTP ingress on Ray Serve (--threads: each replica's; "
                         "default: the cores / N)")
     add_ray_args(p, workers=False)
@@ -71,7 +71,7 @@ def cmd_serve(args) -> None:
         from ..distributed.serve import serve_replicas
 
         return serve_replicas(args, config)
-    app = create_app(cli.llm(args, args.max_batch_size), config)
+    app = create_app(cli_args.llm(args, args.max_batch_size), config)
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

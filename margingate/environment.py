@@ -1,0 +1,63 @@
+"""The environment record: what the determinism contract depends on besides the request (model,
+device, threads, torch, CPU and ISA, kernels, package versions). Every report records it, the
+measurement cache keys its runs by part of it and a saved profile keeps its versions: one writer,
+so they cannot disagree on a field."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from .kernels import VERSION as KERNELS_VERSION
+from .kernels import invariant
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
+PACKAGES = ("margingate", "numpy", "transformers", "tokenizers")
+
+
+def environment_record(llm, num_threads: int | None = None) -> dict:
+    """`llm`'s environment; `num_threads` overrides its engine's (a worker pool's threads per worker)."""
+    return {"model": llm.model_name, "model_fingerprint": llm.config.fingerprint(),
+            "device": str(llm.model.device), "torch": torch.__version__,
+            "num_threads": llm.engine.num_threads if num_threads is None else num_threads,
+            "default_tau": llm.default_tau, "tau_source": "profile" if llm.profile else "built-in default",
+            "machine": platform.machine(), "cpu": _cpu_info("model name") or platform.processor() or "unknown",
+            "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
+            "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION,
+            "kernels_linear_path": invariant.linear_path(),
+            "python": platform.python_version(), "packages": package_versions()}
+
+
+def versions(env: dict) -> dict:
+    """The software versions of a record, as a saved profile keeps them."""
+    return {"python": env["python"], "machine": env["machine"], "torch": env["torch"], **env["packages"]}
+
+
+def package_versions() -> dict:
+    """The installed versions of PACKAGES (those not installed left out)."""
+    return dict(_package_versions())
+
+
+# Cached: fixed for the process, and a measurement's cache key reads the record once per run group.
+@functools.cache
+def _package_versions() -> tuple[tuple[str, str], ...]:
+    out = []
+    for pkg in PACKAGES:
+        try:
+            out.append((pkg, version(pkg)))
+        except PackageNotFoundError:
+            pass
+    return tuple(out)
+
+
+@functools.cache
+def _cpu_info(key: str) -> str | None:
+    """A field of /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
+    except OSError:
+        return None
