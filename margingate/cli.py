@@ -5,13 +5,13 @@ import argparse
 import sys
 
 from . import generate, scoring
-from .analysis import bench, calibrate, check, demo, flips, score_bench
+from .analysis import bench, calibrate, check, demo, flips, score_bench, spec_bench
 from .data.prompts import PromptFileError
 from .kernels.invariant import KernelBuildError
 from .server import cli as serve
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
-COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench)
+COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench, spec_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -107,6 +107,36 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="report each token's logprob and its K best alternatives (in --json output)")
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    from .engine.speculative import MAX_SPECULATIVE_TOKENS, METHODS
+
+    g = p.add_argument_group("speculative decoding (proposals checked by the invariant kernels: the same "
+                             "tokens under batch-invariant; see engine/speculative.py)")
+    g.add_argument("--speculative", choices=METHODS, default=None, help="propose tokens with this method")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, metavar="K",
+                   help=f"proposals per step (1..{MAX_SPECULATIVE_TOKENS})")
+    add_draft_model_arg(g)
+
+
+def add_draft_model_arg(p) -> None:
+    p.add_argument("--draft-model", default=None,
+                   help="load a draft model for `--speculative draft` (same tokenizer; a named model or a folder)")
+
+
+def speculative_config(args):
+    """The request's speculation (None: off), validated by `SpeculativeConfig`; a bad value exits naming
+    its flag."""
+    from .engine.speculative import SpeculativeConfig, SpeculativeError
+
+    if args.speculative is None:
+        return None
+    try:
+        return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+    except SpeculativeError as exc:
+        flag = {"method": "--speculative", "num_tokens": "--num-speculative-tokens"}.get(exc.option, exc.option)
+        raise SystemExit(f"{flag}: {exc}") from None
+
+
 def sampling_params(args):
     from .engine.sampling import SamplingParams
 
@@ -148,5 +178,6 @@ def llm(args, max_batch_size: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
     return LLM(args.model, device=args.device, max_batch_size=max_batch_size,
+               draft_model=getattr(args, "draft_model", None),
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
                prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0)

@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     g.add_argument("--max-batch-size", type=cli_args.positive_int, default=16)
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     cli_args.add_sampling_args(g)
+    cli_args.add_speculative_args(g)
     cli_args.add_model_args(g)
     cli_args.add_prefix_cache_arg(g)
     cli_args.add_policy_args(g, "fast")
@@ -26,10 +27,12 @@ def add_parser(sub) -> None:
 def cmd_generate(args) -> None:
     spec = cli_args.policy_spec(args)  # refuses bad options before the model loads
     sampling = cli_args.sampling_params(args)
+    speculative = cli_args.speculative_config(args)
     prompts = cli_args.prompts(args)
     with worker_pool(args, args.max_batch_size) as pool:  # --ray: its workers decode, this process tokenizes
         llm = cli_args.llm(args, args.max_batch_size)
-        reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling)
+        reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                            speculative=speculative)
         for r in reqs:
             r.policy = llm.policy(spec)
         if spec.chosen_by and not args.json:  # JSON lines carry it in each request's stats

@@ -8,9 +8,11 @@ import torch
 
 from .data.prompts import Prompt
 from .engine import Engine, EngineConfig, Request, Result
+from .engine.draft import DraftModel, check_draft
 from .engine.engine import StreamEvent
 from .engine.logprobs import TokenLogprob
 from .engine.sampling import SamplingParams
+from .engine.speculative import SpeculativeConfig
 from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
@@ -34,7 +36,7 @@ class Completion:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
-                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0):
+                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
@@ -48,6 +50,15 @@ class LLM:
         self.default_policy = self.policy(policy)
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
                                                       prefix_cache_tokens), lambda: self.default_policy)
+        if draft_model is not None:
+            self.engine.draft = self._load_draft(draft_model, max_batch_size)
+
+    def _load_draft(self, name: str, slots: int) -> DraftModel:
+        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""
+        folder = resolve_model_dir(name)
+        config = load_config(folder)
+        check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
+        return DraftModel(build_model(config, load_state_dict(folder), self.device), slots, self.engine.max_len)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);
@@ -63,10 +74,12 @@ class LLM:
         return str(self.model.device)
 
     def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
-                 ignore_eos: bool = False, sampling: SamplingParams | None = None) -> list[Request]:
-        """One request per prompt; `sampling` (default: greedy) is every request's."""
+                 ignore_eos: bool = False, sampling: SamplingParams | None = None,
+                 speculative: SpeculativeConfig | None = None) -> list[Request]:
+        """One request per prompt; `sampling` (default: greedy) and `speculative` are every request's."""
         return [Request(self.tokenizer.encode_prompt(p), max_new_tokens, policy, ignore_eos=ignore_eos,
-                        request_id=f"p{i}", sampling=sampling or SamplingParams()) for i, p in enumerate(prompts)]
+                        request_id=f"p{i}", sampling=sampling or SamplingParams(), speculative=speculative)
+                for i, p in enumerate(prompts)]
 
     def generate(self, prompts: list[Prompt], *, progress: bool = False, **kw) -> list[Completion]:
         """Decode `prompts` together; keywords as `requests` (max_new_tokens, policy, sampling, ...)."""

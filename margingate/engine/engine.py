@@ -18,6 +18,7 @@ from .runner import Runner
 from .sampling import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
+from .speculative import SpeculationStats, accept, off_reason, propose
 from .verifier import Verified, Verifier, VerifyJob
 
 
@@ -28,6 +29,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: all cores
     prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
     prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
+    # speculative decoding pays while a pass is memory-bound: a step speculates only while its decode
+    # rows, proposals included, stay within this many (README, "Speculative decoding")
+    speculative_max_rows: int = 16
 
     def __post_init__(self):
         if self.prefix_cache_tokens < 0:
@@ -81,6 +85,7 @@ class Engine:
                           torch.bfloat16, model.device)
         self.runner = Runner(model, self.kv)
         self.verifier = Verifier(self.runner)
+        self.draft = None  # a DraftModel (draft.py) for `speculative: draft` requests, set by LLM
         self.scheduler = Scheduler(self.kv)
         self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.default_policy = default_policy
@@ -115,6 +120,9 @@ class Engine:
         stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
         seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop))
         seq.state = seq.policy.new_state(seq)
+        if request.speculative is not None:
+            request.speculative.check(self.draft)
+            seq.speculation = SpeculationStats(off=off_reason(seq.policy))
         if request.share_prefill is not None and request.sampling.prompt_logprobs is None:
             seq.fork_of = next((s for s in [*self.scheduler.running, *self.scheduler.waiting]
                                 if s.request_id == request.share_prefill
@@ -126,7 +134,7 @@ class Engine:
         """Drop a request now (a client went away): frees its slot at once."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.request_id == request_id:
-                self.scheduler.remove(seq)
+                self._retire(seq)
                 seq.finish_reason = "aborted"
                 self._aborted.append(seq)  # reported as finished by the next step
                 return True
@@ -152,13 +160,14 @@ class Engine:
         if not prefills and not batch:
             self.step_count += 1
             return self._finished
+        self._speculate(batch)
         t = time.perf_counter()
         out = self.runner.step(prefills, batch)
         self._count("decode" if batch else "prefill", t, rows=len(batch))
         self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
         started = self._prefilled(prefills, out[:len(prefills)])
         if batch:
-            self._decode(batch, [rows[-1] for rows in out[len(prefills):]])
+            self._decode(batch, out[len(prefills):])
         self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
         self.step_count += 1
         return self._finished
@@ -192,8 +201,34 @@ class Engine:
             started.append(seq)
         return started
 
-    def _decode(self, batch: list[Sequence], rows: list[torch.Tensor]) -> None:
-        """Each running request's decode row: the policies propose, verify, commit."""
+    def _speculate(self, batch: list[Sequence]) -> None:
+        """Proposals for the requests that speculate, while the step's rows stay within the budget."""
+        rows = len(batch)
+        for seq in batch:
+            if seq.speculation is None or seq.speculation.off:
+                continue
+            room = min(seq.request.max_new_tokens - len(seq.output_ids), self.max_len - seq.num_tokens) - 1
+            k = min(seq.request.speculative.num_tokens, room, self.config.speculative_max_rows - rows)
+            if k >= 1:
+                if seq.proposer is None:  # on its first step: a draft proposer holds a KV slot
+                    seq.proposer = seq.request.speculative.proposer(self.draft)
+                rows += propose(seq, k)
+
+    def _decode(self, batch: list[Sequence], out: list[torch.Tensor]) -> None:
+        """Each running request's decode rows: a speculating one accepts its proposals; for the
+        others the policies propose, verify, commit."""
+        plain = []
+        for seq, rows in zip(batch, out):
+            if seq.drafted:
+                seq.steps += 1
+                first = seq.num_tokens - seq.drafted - 1  # the last token's position, the span's first
+                self._record(seq, first, accept(seq, rows))
+            else:
+                plain.append((seq, rows[-1]))
+        if plain:
+            self._policies_decode(*map(list, zip(*plain)))
+
+    def _policies_decode(self, batch: list[Sequence], rows: list[torch.Tensor]) -> None:
         logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, rows)])
         jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
         if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
@@ -240,11 +275,18 @@ class Engine:
                     self._record(seq, job.start, verified[id(job)].logits)
                 if confirmed:
                     seq.finish_reason = seq.should_stop(self.max_len) or "stop"
-                    self.scheduler.remove(seq)
+                    self._retire(seq)
                     self._finished.append(seq)
                 elif seq.should_stop(self.max_len):
                     still.append(seq)
             stopping = still
+
+    def _retire(self, seq: Sequence) -> None:
+        """The request leaves the engine: its KV slot, and its proposer's, are free."""
+        self.scheduler.remove(seq)
+        if seq.proposer is not None:
+            seq.proposer.close()
+            seq.proposer = None
 
     def _count(self, phase: str, t0: float, rows: int) -> None:
         totals = self.totals[phase]
@@ -255,8 +297,11 @@ class Engine:
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:
         sp = seq.request.sampling
+        stats = seq.policy.report(seq)
+        if seq.speculation is not None:  # exact under a deterministic policy; fast promises nothing
+            stats.update(seq.speculation.report(), speculation_exact=seq.policy.deterministic)
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
-                      seq.finish_reason or "aborted", seq.policy.report(seq), seq.cached_tokens,
+                      seq.finish_reason or "aborted", stats, seq.cached_tokens,
                       list(seq.logprobs) if sp.logprobs is not None else None,
                       list(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None)
 

@@ -50,8 +50,11 @@ class Runner:
         spans = [Span(s, a, b, exact_attention=True, invariant_kernels=True,
                       logits_rows=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
                  for s, a, b in prefills]
-        spans += [Span(s, s.last_pos, s.num_tokens, exact_attention=s.policy.exact_attention,
-                       invariant_kernels=not s.policy.library_kernels) for s in decodes]
+        # a speculating request's span is [last token, d1..dk]: exact attention, so each row is the
+        # row of decoding its position alone
+        spans += [Span(s, s.last_pos - s.drafted, s.num_tokens,
+                       exact_attention=s.policy.exact_attention or s.drafted > 0,
+                       invariant_kernels=not s.policy.library_kernels, logits_rows=s.drafted + 1) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)
         for dtype in dict.fromkeys(dtypes):

@@ -11,6 +11,7 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     from ..kv_cache import SlotView
     from .policy import Policy
+    from .speculative import Proposer, SpeculationStats, SpeculativeConfig
 
 _ids = itertools.count()
 
@@ -30,6 +31,7 @@ class Request:
     # prefilled, this one copies its K/V instead of computing them again (the same bits: prompts run
     # the invariant kernels)
     share_prefill: str | None = None
+    speculative: SpeculativeConfig | None = None  # proposals checked by the invariant kernels (speculative.py)
 
     def __post_init__(self):
         self.sampling = self.sampling.seeded()
@@ -73,6 +75,9 @@ class Sequence:
     # (canonical) row when one recomputes its position
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    speculation: SpeculationStats | None = None  # if the request speculates
+    proposer: Proposer | None = None
+    drafted: int = 0                       # proposals appended for this step's forward, not yet accepted
 
     @property
     def request_id(self) -> str:

@@ -18,6 +18,10 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
         self._bytes: dict[int, bytes] = {}
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Do both map every token string to the same id (a draft model must share the target's)?"""
+        return self._tok.get_vocab() == other._tok.get_vocab()
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
         template. A base model has no template (its GGUF carries none): it continues the messages'

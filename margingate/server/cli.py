@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     cli_args.add_model_args(p)
     cli_args.add_prefix_cache_arg(p)
+    cli_args.add_draft_model_arg(p)
     p.add_argument("--replicas", type=cli_args.positive_int, default=None, metavar="N",
                    help="N engine replicas behind one HTTP ingress on Ray Serve (--threads: each replica's; "
                         "default: the cores / N)")

@@ -13,6 +13,7 @@ from ..data.prompts import Prompt
 from ..engine import Request
 from ..engine.policy import Policy
 from ..engine.sampling import SamplingError, SamplingParams
+from ..engine.speculative import SpeculativeConfig, SpeculativeError
 from ..policies import PolicyOptionError, PolicySpec, deterministic_policies
 from .jobs import Choice, Job
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
@@ -111,6 +112,18 @@ def sampling_params(state: ServerState, params, kind: str) -> SamplingParams:
     return sampling.seeded()  # one seed for the request: sample j of n takes seed + j
 
 
+def speculative_config(state: ServerState, params) -> SpeculativeConfig | None:
+    """The body's `speculative` block, checked by `SpeculativeConfig`; a refusal names its field."""
+    if params.speculative is None:
+        return None
+    try:
+        config = SpeculativeConfig(**params.speculative.model_dump(exclude_none=True))
+        config.check(state.llm.engine.draft)
+        return config
+    except SpeculativeError as exc:
+        raise BadRequest(str(exc), param=f"speculative.{exc.option}") from None
+
+
 async def prompts(state: ServerState, params, kind: str) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
     if kind == "chat":
@@ -144,6 +157,7 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     policy = build_policy(state, params)
     sampling = sampling_params(state, params, kind)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
+    speculative = speculative_config(state, params)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
     try:
@@ -153,7 +167,8 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
                 index = p * n + j
                 request = Request(list(ids), max_tokens, policy, ignore_eos=params.ignore_eos,
                                   request_id=rid if index == 0 else f"{rid}-{index}", sampling=sampling.for_sample(j),
-                                  share_prefill=choices[-j].request.request_id if j else None)
+                                  share_prefill=choices[-j].request.request_id if j else None,
+                                  speculative=speculative)
                 choices.append(Choice(index, p, text, request))
     except BadRequest:
         raise

@@ -14,8 +14,8 @@ What is supported, and what is refused with a 400 naming the field:
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
 - `stop`: a string or up to 4 strings (the text is cut before the stop string);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
-  verifier_precision, defer, window, group}, `ignore_eos` (bool), `top_k`, `min_p`,
-  `repetition_penalty`;
+  verifier_precision, defer, window, group}, `speculative` {method, num_tokens, ngram_max,
+  ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
 - unknown fields are refused (a misspelt `determinism` must not silently run undeterministic).
 """
 from __future__ import annotations
@@ -100,6 +100,16 @@ class DeterminismOptions(BaseModel):
         return self.model_dump(exclude_none=True, exclude={"policy"})
 
 
+class SpeculativeOptions(BaseModel):
+    """The `speculative` block; `SpeculativeConfig` validates the values (its field names are these)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: str = "ngram"
+    num_tokens: int | None = None
+    ngram_max: int | None = None
+    ngram_min: int | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -151,6 +161,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
     deterministic: bool | None = None
     determinism: DeterminismOptions | None = None
+    speculative: SpeculativeOptions | None = None
     ignore_eos: bool = False
 
     @field_validator(*NEUTRAL, check_fields=False)  # some are declared by one subclass only

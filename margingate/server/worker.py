@@ -294,7 +294,11 @@ class EngineWorker:
         m.observe("request_latency_seconds", time.perf_counter() - handle.submitted)
         for key, name in (("triggers", "determinism_triggers_total"), ("repairs", "determinism_repairs_total"),
                           ("rollbacks", "determinism_rollbacks_total"),
-                          ("replayed_tokens", "determinism_replayed_tokens_total")):
+                          ("replayed_tokens", "determinism_replayed_tokens_total"),
+                          ("proposed_tokens", "speculative_proposed_tokens_total"),
+                          ("accepted_tokens", "speculative_accepted_tokens_total"),
+                          ("speculative_steps", "speculative_steps_total"),
+                          ("proposal_seconds", "speculative_proposal_seconds_total")):
             m.inc(name, float(stats.get(key, 0) or 0), policy=policy)
 
     def _fail_step(self, exc: Exception) -> None:

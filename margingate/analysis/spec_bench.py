@@ -1,0 +1,192 @@
+"""`margingate bench-spec`: what speculative decoding buys, and where it stops paying.
+
+Two measurements, one run, same threads:
+- decode: B = 1 on prompts that ask to repeat or edit a given text or code, each decoded plain and
+  with each proposer (`batch-invariant`): ms per output token, acceptance rate, mean accepted
+  length, and whether the tokens are bitwise the plain ones;
+- pass cost: the time of a forward where each of B requests feeds k + 1 rows (its span of a
+  speculative step) against one row each, for k = 1..K: the ceiling speculation can reach at
+  that size is (k + 1) / cost ratio, with every proposal accepted.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import cli_args
+from ..data.prompts import Prompt
+from ..engine import Request
+from ..engine.runner import Span
+from ..engine.speculative import SpeculativeConfig
+from .outputs import machine_line, write_report
+
+CODE = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total += x
+    return total / len(xs)
+
+
+def variance(xs):
+    m = mean(xs)
+    return sum((x - m) ** 2 for x in xs) / len(xs)
+'''
+TEXT = ("The committee met on Tuesday to review the budget. It approved the new library wing, "
+        "postponed the road repairs to spring, and asked the treasurer for a revised forecast by March.")
+COPYING = [
+    f"Repeat this code exactly:\n{CODE}",
+    f"Rename the function mean to average everywhere in this code and print the whole code:\n{CODE}",
+    f"Add type hints to this code and print the whole code:\n{CODE}",
+    f"Repeat this paragraph word for word:\n{TEXT}",
+    f"Rewrite this paragraph, replacing Tuesday with Friday and nothing else:\n{TEXT}",
+    f"Quote the second sentence of this paragraph, then summarize the paragraph:\n{TEXT}",
+]
+
+
+def decode_rows(llm, prompts: list[str], methods: list[SpeculativeConfig | None], tokens: int) -> list[dict]:
+    """Each prompt alone (B = 1), plain and with each config: ms/token and the speculation stats."""
+    rows = []
+    for i, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
+        ids = llm.tokenizer.encode_prompt(Prompt("chat", ({"role": "user", "content": text},), None, f"spec:{i}"))
+        plain = None
+        for spec in methods:
+            req = Request(ids, tokens, llm.policy("batch-invariant"), request_id=f"b{i}", speculative=spec)
+            t = time.perf_counter()
+            res = llm.engine.generate([req])[0]
+            seconds = time.perf_counter() - t
+            plain = plain or res.token_ids
+            rows.append({"prompt": i, "method": spec.method if spec else "plain", "k": spec.num_tokens if spec else 0,
+                         "tokens": len(res.token_ids), "ms_per_token": 1000 * seconds / max(1, len(res.token_ids)),
+                         "same_tokens": res.token_ids == plain,
+                         **{key: res.stats.get(key) for key in ("acceptance_rate", "mean_accepted_length",
+                                                                 "proposed_tokens", "accepted_tokens")}})
+    return rows
+
+
+def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: int) -> list[dict]:
+    """Median time of a forward with B spans of k + 1 rows each (exact attention, invariant kernels)
+    over `context` positions of K/V, against k = 0."""
+    engine = llm.engine
+    seqs = []
+    for i in range(max(batch_sizes)):
+        seq = engine.add_request(Request([1 + (7 * i + j) % 1000 for j in range(context)], 1, llm.policy("fast"),
+                                         request_id=f"cost{i}"))
+        seqs.append(seq)
+    engine.scheduler.admit()
+    for seq in seqs:
+        seq.output_ids = [5] * (max_k + 1)  # tokens for the spans; their K/V are written by the passes
+    rows = []
+    try:
+        for b in batch_sizes:
+            base = None
+            for k in tqdm(range(max_k + 1), desc=f"pass cost B={b}", leave=False):
+                spans = [Span(s, context - 1, context + k, exact_attention=True, invariant_kernels=True,
+                              logits_rows=k + 1) for s in seqs[:b]]
+                times = []
+                for _ in range(repeats + 1):
+                    t = time.perf_counter()
+                    engine.runner.forward(spans, torch.bfloat16, True)
+                    times.append(time.perf_counter() - t)
+                med = statistics.median(times[1:])
+                base = base or med
+                rows.append({"batch_size": b, "k": k, "rows": b * (k + 1), "median_ms": 1000 * med,
+                             "cost_ratio": med / base, "ceiling_speedup": (k + 1) * base / med})
+    finally:
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        engine.step()
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per method: median ms/token over the prompts, its ratio to plain, acceptance, equality."""
+    out = []
+    methods = dict.fromkeys((r["method"], r["k"]) for r in rows)
+    plain = {r["prompt"]: r["ms_per_token"] for r in rows if r["method"] == "plain"}
+    for method, k in methods:
+        mine = [r for r in rows if (r["method"], r["k"]) == (method, k)]
+        speedups = [plain[r["prompt"]] / r["ms_per_token"] for r in mine]
+        rates = [r["acceptance_rate"] for r in mine if r["acceptance_rate"] is not None]
+        lengths = [r["mean_accepted_length"] for r in mine if r["mean_accepted_length"] is not None]
+        out.append({"method": method, "k": k, "median_ms_per_token": statistics.median(r["ms_per_token"] for r in mine),
+                    "median_speedup": statistics.median(speedups),
+                    "acceptance_rate": statistics.median(rates) if rates else None,
+                    "mean_accepted_length": statistics.median(lengths) if lengths else None,
+                    "bitwise_same": f"{sum(r['same_tokens'] for r in mine)}/{len(mine)}"})
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Speculative decoding: {report['model']}", "", f"Machine: {report['machine']}", "",
+             f"## Decode, B = 1, batch-invariant, {len(COPYING)} repeat / edit prompts, "
+             f"{report['max_new_tokens']} new tokens", "",
+             "| method | k | ms/token (median) | speed-up vs plain (median) | acceptance | accepted per step | "
+             "tokens bitwise plain |", "|---|---|---|---|---|---|---|"]
+    for s in report["summary"]:
+        rate = "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+        length = "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"
+        lines.append(f"| {s['method']} | {s['k']} | {s['median_ms_per_token']:.1f} | {s['median_speedup']:.2f}x | "
+                     f"{rate} | {length} | {s['bitwise_same']} |")
+    if report.get("pass_cost"):
+        lines += ["", f"## Pass cost ({report['pass_cost_model']}, {report['context']} positions of context)", "",
+                  "k + 1 rows per request against 1; ceiling = (k + 1) / cost ratio, every proposal accepted.", "",
+                  "| B | k | rows | ms | cost ratio | ceiling speed-up |", "|---|---|---|---|---|---|"]
+        for r in report["pass_cost"]:
+            lines.append(f"| {r['batch_size']} | {r['k']} | {r['rows']} | {r['median_ms']:.1f} | "
+                         f"{r['cost_ratio']:.2f} | {r['ceiling_speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    from .plots import _plt, _save
+
+    if not report.get("pass_cost"):
+        return []
+    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    for b in dict.fromkeys(r["batch_size"] for r in report["pass_cost"]):
+        mine = [r for r in report["pass_cost"] if r["batch_size"] == b]
+        ax.plot([r["k"] for r in mine], [r["ceiling_speedup"] for r in mine], marker="o", label=f"B = {b}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="proposals per request (k)", ylabel="ceiling speed-up, all accepted",
+           title=f"Speculation's ceiling: {report['pass_cost_model']}")
+    ax.legend()
+    return [_save(fig, out / "pass_cost.png")]
+
+
+def _cmd(args) -> None:
+    llm = cli_args.llm(args, max(args.batch_sizes))
+    methods = [None, *(SpeculativeConfig("ngram", k) for k in args.k)]
+    if args.draft_model:
+        methods += [SpeculativeConfig("draft", k) for k in args.k]
+    rows = decode_rows(llm, COPYING, methods, args.max_new_tokens)
+    report = {"model": args.model, "max_new_tokens": args.max_new_tokens, "machine": machine_line(llm.environment()),
+              "environment": llm.environment(), "rows": rows, "summary": summary(rows)}
+    if args.pass_cost_model:
+        if args.pass_cost_model != args.model:
+            other = argparse.Namespace(**{**vars(args), "model": args.pass_cost_model, "draft_model": None})
+            llm = cli_args.llm(other, max(args.batch_sizes))
+        report.update(pass_cost_model=args.pass_cost_model, context=args.context,
+                      pass_cost=pass_cost(llm, args.batch_sizes, args.max_k, args.repeats, args.context))
+    write_report(report, Path(args.out), markdown, plots)
+    print(markdown(report))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-spec", help="speculative decoding: ms/token at B = 1 and the cost of k + 1-row passes")
+    p.add_argument("--k", type=cli_args.int_list, default=[2, 4, 8], help="proposals per step to try")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=96)
+    p.add_argument("--pass-cost-model", default=None, metavar="MODEL",
+                   help="also time k + 1-row passes on this model (e.g. a random 1B folder)")
+    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[1, 4, 16])
+    p.add_argument("--max-k", type=cli_args.positive_int, default=8)
+    p.add_argument("--context", type=cli_args.positive_int, default=256)
+    p.add_argument("--repeats", type=cli_args.positive_int, default=5)
+    p.add_argument("--out", default="results/bench-spec")
+    cli_args.add_draft_model_arg(p)
+    cli_args.add_model_args(p)
+    p.set_defaults(func=_cmd)

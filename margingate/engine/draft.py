@@ -1,0 +1,73 @@
+"""The `draft` proposer: a smaller model with the same tokenizer guesses the next k tokens greedily.
+
+The draft runs on the invariant kernels in its own KV cache, one slot per speculating request,
+and keeps the K/V of the tokens it has seen: each step it feeds only what the target accepted
+since (after the longest common prefix with what it cached) and then k - 1 single-row steps.
+Its guesses only decide how many tokens a step keeps; the target's rows decide which, so a
+wrong or slow draft costs speed, never a token.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import KVCache
+from ..models.llama import LlamaModel
+from .runner import Runner, Span
+from .sequence import Request, Sequence
+from .speculative import Proposer, SpeculativeError
+
+
+def check_draft(target_vocab: int, draft_vocab: int, same_tokenizer: bool) -> None:
+    """A draft must share the target's tokenizer: its ids are proposed as the target's."""
+    if draft_vocab != target_vocab:
+        raise SpeculativeError("draft_model", f"the draft model's vocabulary has {draft_vocab} tokens, the "
+                                              f"target's {target_vocab}: a draft must share the tokenizer")
+    if not same_tokenizer:
+        raise SpeculativeError("draft_model", "the draft model's tokenizer differs from the target's: a draft "
+                                              "must share the tokenizer")
+
+
+class DraftModel:
+    """A loaded draft model and its KV cache, shared by the requests that speculate with it."""
+
+    def __init__(self, model: LlamaModel, slots: int, max_len: int):
+        mc = model.config
+        self.kv = KVCache(mc.num_layers, slots + 1, max_len, mc.num_kv_heads, mc.head_dim, torch.bfloat16,
+                          model.device)
+        self.runner = Runner(model, self.kv)
+
+    def proposer(self) -> DraftProposer:
+        if not self.kv.num_free:
+            raise RuntimeError("no free draft KV slot")  # slots = the target's max batch: never short
+        return DraftProposer(self, self.kv.allocate())
+
+
+class DraftProposer(Proposer):
+    def __init__(self, draft: DraftModel, slot: int):
+        self.draft, self.slot = draft, slot
+        self.cached: list[int] = []   # tokens whose K/V this slot holds, in order
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        common = 0
+        for a, b in zip(self.cached, tokens[:-1]):  # the last token is fed again: its row gives d1
+            if a != b:
+                break
+            common += 1
+        mirror = Sequence(Request(list(tokens)), policy=None, stop_ids=frozenset(),
+                          cache=self.draft.kv.view(self.slot))
+        drafts, start = [], common
+        for _ in range(k):
+            row = self._forward(mirror, start)
+            drafts.append(int(torch.argmax(row)))
+            start = mirror.num_tokens
+            mirror.output_ids.append(drafts[-1])
+        self.cached = mirror.tokens(0, mirror.num_tokens - 1)  # the last draft was never fed
+        return drafts
+
+    def _forward(self, mirror: Sequence, start: int) -> torch.Tensor:
+        span = Span(mirror, start, mirror.num_tokens, exact_attention=True, invariant_kernels=True)
+        return self.draft.runner.forward([span], torch.bfloat16, True)[0][-1]
+
+    def close(self) -> None:
+        self.draft.kv.release(self.slot)
+        self.slot = None

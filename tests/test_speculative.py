@@ -1,0 +1,137 @@
+"""Speculative decoding on the embedded model: the output with proposals is bitwise the output
+without, greedy and seeded, alone and sharing a batch with plain requests, tokens and logprobs."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from margingate.cli import build_parser
+from margingate.cli_args import speculative_config
+from margingate.data.prompts import Prompt
+from margingate.engine import Request
+from margingate.engine.sampling import SamplingParams
+from margingate.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
+from margingate.llm import LLM
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+COPYING = [f"Repeat this code exactly, then rename add to plus:\n{CODE}",
+           "Copy this sentence twice: The quick brown fox jumps over the lazy dog.",
+           "Summarize in one line: The meeting moved to Tuesday at 10am in room 4 because room 2 is closed."]
+NGRAM = SpeculativeConfig("ngram", num_tokens=4)
+SEEDED = SamplingParams(temperature=0.8, seed=11, repetition_penalty=1.05, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def copying(llm):
+    return [llm.tokenizer.encode_prompt(Prompt("chat", ({"role": "user", "content": m},), None, "t"))
+            for m in COPYING]
+
+
+def run(llm, ids, policy, sampling, speculative, tokens=24):
+    """Each request's (tokens, logprobs, stats); `speculative[i]` is request i's config (None: plain)."""
+    reqs = [Request(x, tokens, llm.policy(policy), request_id=f"s{i}", sampling=sampling, speculative=spec)
+            for i, (x, spec) in enumerate(zip(ids, speculative))]
+    return [(r.token_ids, r.logprobs, r.stats) for r in llm.engine.generate(reqs)]
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(n_max=3, n_min=1)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # the latest earlier match
+    assert p.propose([1, 2, 3, 4, 5, 3], 3) == [4, 5, 3]                # falls back to n = 1
+    assert p.propose([1, 2, 3], 4) == []                                # nothing repeats
+    assert NgramProposer(3, 2).propose([5, 6, 7, 6], 2) == []           # n below n_min is not tried
+
+
+@pytest.mark.parametrize("policy, sampling", [("batch-invariant", SamplingParams(logprobs=2)),
+                                              ("batch-invariant", SEEDED), ("reference", SamplingParams())],
+                         ids=["greedy", "seeded", "reference"])
+def test_speculative_equals_plain_bitwise(llm, copying, policy, sampling):
+    """B = 1 and a mixed batch (speculating and plain requests in the same steps): the same tokens
+    and logprobs as plain decoding, and proposals were really accepted (the test can fail)."""
+    plain = run(llm, copying, policy, sampling, [None] * 3)
+    alone = run(llm, copying[:1], policy, sampling, [NGRAM])[0]
+    mixed = run(llm, copying, policy, sampling, [NGRAM, None, NGRAM])
+    assert alone[:2] == plain[0][:2]
+    for i in range(3):
+        assert mixed[i][:2] == plain[i][:2], f"request {i}"
+    stats = alone[2]
+    assert stats["speculation_exact"] is True and stats["proposed_tokens"] > 0
+    if sampling.temperature == 0:
+        assert stats["accepted_tokens"] > 0 and stats["speculative_steps"] < len(alone[0])
+
+
+def test_verifying_policies_decode_without_speculation_and_say_so(llm, copying):
+    plain = run(llm, copying[:2], "margin", SamplingParams(), [None, None], tokens=12)
+    spec = run(llm, copying[:2], "margin", SamplingParams(), [NGRAM, NGRAM], tokens=12)
+    assert [s[0] for s in spec] == [p[0] for p in plain]
+    assert spec[0][2]["speculation"] == "off" and "verifies" in spec[0][2]["speculation_off_reason"]
+
+
+def test_fast_may_differ_and_the_report_says_so(llm, copying):
+    stats = run(llm, copying[:1], "fast", SamplingParams(), [NGRAM], tokens=8)[0][2]
+    assert stats["speculation_exact"] is False
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"num_tokens": 0}, "num_tokens"), ({"num_tokens": 17}, "num_tokens"), ({"num_tokens": 2.0}, "num_tokens"),
+    ({"method": "medusa"}, "method"), ({"ngram_max": 0}, "ngram_max"),
+    ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+])
+def test_bad_options_name_the_option(options, option):
+    with pytest.raises(SpeculativeError) as exc:
+        SpeculativeConfig(**options)
+    assert exc.value.option == option and option in str(exc.value)
+
+
+def test_cli_flags():
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--speculative", "ngram", "--num-speculative-tokens", "6", "x"])
+    assert speculative_config(args) == SpeculativeConfig("ngram", 6)
+    assert speculative_config(parser.parse_args(["generate", "x"])) is None
+    with pytest.raises(SystemExit, match="--num-speculative-tokens"):
+        speculative_config(parser.parse_args(["generate", "--speculative", "ngram",
+                                              "--num-speculative-tokens", "99", "x"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A random-weight 2-layer Llama with the embedded model's tokenizer (scripts/make_random_model.py)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py"
+    spec = importlib.util.spec_from_file_location("make_random_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path_factory.mktemp("draft") / "tiny"
+    script.make("tiny", out, seed=3, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("draft", ["smollm2-135m", "tiny"])
+def test_draft_proposer_equals_plain(copying, tiny_draft, draft):
+    """A draft model proposes; the target decides. The target as its own draft accepts every greedy
+    proposal, a random draft almost none: the same tokens either way."""
+    llm = LLM(max_batch_size=3, max_model_len=512, draft_model=str(tiny_draft) if draft == "tiny" else draft)
+    spec = SpeculativeConfig("draft", num_tokens=3)
+    plain = run(llm, copying[:2], "batch-invariant", SamplingParams(), [None, None], tokens=16)
+    drafted = run(llm, copying[:2], "batch-invariant", SamplingParams(), [spec, None], tokens=16)
+    assert [d[0] for d in drafted] == [p[0] for p in plain]
+    stats = drafted[0][2]
+    assert stats["proposed_tokens"] > 0
+    if draft != "tiny":
+        assert stats["accepted_tokens"] == stats["proposed_tokens"]
+    assert llm.engine.draft.kv.num_free == 3  # every request gave its draft slot back
+
+
+def test_a_draft_needs_the_targets_tokenizer(tiny_draft, tmp_path):
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_draft, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    with pytest.raises(SpeculativeError, match="vocabulary has 1000 tokens") as exc:
+        LLM(max_batch_size=1, max_model_len=64, draft_model=str(other))
+    assert exc.value.option == "draft_model"
+    with pytest.raises(SpeculativeError, match="needs a draft model"):
+        SpeculativeConfig("draft").check(None)
