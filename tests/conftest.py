@@ -2,11 +2,15 @@
 
 Threads: the engines built here run at the engine's default, all cores, as a user's
 would. The determinism contract does not depend on the thread count, so no test pins
-it; `test_threads.py` checks the same tokens at 1, 2 and 4 threads in fresh processes.
+it; `determinism/test_contract.py` checks the same tokens at 1 thread and at the default,
+`test_threads.py` the same logprobs at 1 and 4 threads.
+
+The server tests' fixtures (`server`, `http`, `client`) live in `server_fixtures.py`, registered here.
 """
 from __future__ import annotations
 
 import pytest
+from server_fixtures import client, http, server, server_idle_after  # noqa: F401  (the server modules' fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +43,8 @@ def prompts():
 class References:
     """Each prompt decoded as if alone by the verifier (policy `reference`): the trajectory every
     deterministic policy promises. Computed once per session, missing ones together in one
-    batch (that a reference in a batch equals decoding alone is itself a test)."""
+    batch (that a reference in a batch equals decoding alone is the contract's:
+    determinism/test_contract.py)."""
 
     def __init__(self, llm, prompts):
         self.llm, self.prompts = llm, prompts

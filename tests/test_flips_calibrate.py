@@ -14,7 +14,6 @@ from margingate.analysis.calibrate import tau_grid
 from margingate.analysis.compare import flip_rates, gate_rates, judge, summary
 from margingate.analysis.runs import batches, staggered
 from margingate.analysis.traces import TOPK, TraceRunner, reference_tokens
-from margingate.engine import Request
 
 
 def _trace(tokens, topv, topi, dev=None, at_ref=None):
@@ -102,12 +101,12 @@ def small(llm):
     return ids
 
 
-def test_reference_in_batch_is_decoding_alone_and_oracle_writes_reference_columns(llm, small, tmp_path):
+def test_traced_reference_and_oracle_write_reference_columns(llm, small, references, tmp_path):
+    """The traced references are the reference's tokens (that a reference in a batch decodes as alone is
+    the contract's: determinism/test_contract.py); the oracle fires where told and writes their columns."""
     runner = TraceRunner(llm, small, 8, cache_dir=tmp_path, progress=False)
     refs = runner.reference()
-    alone = llm.engine.generate([Request(small[i], 8, llm.policy("reference"), ignore_eos=True)
-                                 for i in range(1)])[0]
-    assert refs[0]["tokens"] == alone.token_ids
+    assert reference_tokens(refs) == references.tokens([0, 1, 2], 8, ignore_eos=True)
     assert refs[0]["cols"].shape[0] == 7 and len(refs[0]["topv"]) == 7
     run = runner.fast(refs, "hetero", 2)
     assert len(run["rows"]) == 4 and not run["cached"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from margingate.engine.policy import VerifyJob
 from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
+from margingate.engine.verifier import Verifier, VerifyJob
 from margingate.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
 from margingate.policies import VerifyState
@@ -172,14 +172,14 @@ def test_verifier_rows_unchanged_beside_another_request(llm, chunk_case):
     assert torch.equal(got[0], c["kv"][0]) and torch.equal(got[1], c["kv"][1])
 
 
-def test_runner_verify_jobs_equal_one_at_a_time(llm, chunk_case):
-    """`Runner.verify` with two requests' jobs in one pass returns, for the chunk's job, the
+def test_verifier_jobs_equal_one_at_a_time(llm, chunk_case):
+    """`Verifier.recompute` with two requests' jobs in one pass returns, for the chunk's job, the
     logits of decoding its positions one at a time, and writes the same K/V."""
     model, c = llm.model, chunk_case
     a, b, chunk = c["a"], c["b"], c["chunk"]
     p, k = len(a), c["k"]
     kv = new_cache(model, 3)
-    runner = Runner(model, kv)  # takes slot 0 as its scratch slot
+    verifier = Verifier(Runner(model, kv))  # the runner takes slot 0 as its scratch slot
     seqs = []
     for slot, ids, out in ((2, b, b[:5]), (1, a, chunk)):
         s = Sequence(Request(ids, max_new_tokens=32), policy=None, stop_ids=frozenset(), cache=kv.view(slot))
@@ -187,7 +187,7 @@ def test_runner_verify_jobs_equal_one_at_a_time(llm, chunk_case):
         prefill(model, kv, slot, ids)
         seqs.append(s)
     jobs = [VerifyJob(seqs[0], len(b), len(b) + 4), VerifyJob(seqs[1], p, p + k - 1)]
-    out = runner.verify(jobs)
+    out = verifier.recompute(jobs)
     assert out[0].shape[0] == 5 and torch.equal(out[1], c["logits"])
     got = columns(kv, 1, p, p + k)
     assert torch.equal(got[0], c["kv"][0]) and torch.equal(got[1], c["kv"][1])
@@ -227,33 +227,3 @@ def test_prompt_kv_equal_whole_chunked_token_by_token(llm, prompt_whole, chunk):
     k, v = columns(kv, 2, 0, n)
     assert torch.equal(k, k_whole) and torch.equal(v, v_whole)
     assert torch.equal(logits[-1], last)
-
-
-@pytest.mark.parametrize("prefill_chunk", [None, 5])
-def test_engine_batched_and_chunked_prefill_equal_alone(llm, prompts, prefill_chunk):
-    """Engine level: four prompts admitted together (one batched prefill; or chunked by 5
-    positions per step, sharing steps with decode rows) under `reference` give each prompt's
-    K/V and tokens, bitwise, as that prompt alone with whole-prompt prefill."""
-    from margingate.engine import Engine, EngineConfig, Request
-
-    picks = [prompts[i] for i in (0, 9, 21, 33)]
-    ids = [llm.tokenizer.encode_prompt(p) for p in picks]
-    make = lambda: llm.policy("reference")  # noqa: E731
-
-    def run(engine, requests):
-        seqs = [engine.add_request(r) for r in requests]
-        kvs = {}
-        while engine.has_work:
-            for s in seqs:  # the prompt's K/V, read as soon as its prefill completes
-                if s.prefilled == s.prompt_len and s.request_id not in kvs:
-                    kvs[s.request_id] = columns(engine.kv, s.slot, 0, s.prompt_len)
-            engine.step()
-        return [s.output_ids for s in seqs], [kvs[s.request_id] for s in seqs]
-
-    alone = [run(Engine(llm.model, EngineConfig(max_batch_size=1), make), [Request(x, 12, make())]) for x in ids]
-    # Chunked, the shorter prompts finish first and decode beside the longer ones' chunks.
-    engine = Engine(llm.model, EngineConfig(max_batch_size=4, prefill_chunk=prefill_chunk), make)
-    tokens, kvs = run(engine, [Request(x, 12, make()) for x in ids])
-    for i, ((a_tokens,), ((a_k, a_v),)) in enumerate(alone):
-        assert tokens[i] == a_tokens, f"prompt {i}: tokens"
-        assert torch.equal(kvs[i][0], a_k) and torch.equal(kvs[i][1], a_v), f"prompt {i}: K/V"

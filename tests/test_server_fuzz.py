@@ -16,14 +16,10 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from server_fixtures import MODEL, make_server  # noqa: E402
 
-from margingate.engine import Engine, EngineConfig  # noqa: E402
 from margingate.policies import POLICIES, REPAIRS  # noqa: E402
-from margingate.server.app import create_app  # noqa: E402
-from margingate.server.background import BackgroundServer  # noqa: E402
 
-MODEL = "smollm2-135m"
-TIMEOUT = 180.0
 EXAMPLES = int(os.environ.get("MARGINGATE_FUZZ_EXAMPLES", "40"))  # raise it for a longer fuzz
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -122,18 +118,11 @@ valid_bodies = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def server(llm):
-    engine = Engine(llm.model, EngineConfig(max_batch_size=4, max_model_len=128,
-                                            num_threads=llm.engine.num_threads), lambda: llm.policy("fast"))
-    app = create_app(llm, engine=engine, max_queue=8, default_max_tokens=4)
-    with BackgroundServer(app) as srv:
-        srv.state, srv.engine = app.state.server, engine
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-        yield c
+    """A smaller server than the shared one (4 slots, 128 positions, no prefix cache); `http` is the shared
+    fixture's client of it."""
+    srv = make_server(llm, slots=4, max_len=128, prefix_cache_tokens=0, max_queue=8, default_max_tokens=4)
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

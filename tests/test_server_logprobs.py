@@ -8,26 +8,16 @@ import threading
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
 
-from test_server import MODEL, TIMEOUT, chat, make_server  # noqa: E402
+from server_fixtures import MODEL, TIMEOUT, chat  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}, "ignore_eos": True}
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 30, 2, 198, 1, 4093, 198, 1780, 314, 260,
           3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]  # a chat-templated question, as token ids
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    srv = make_server(llm, max_queue=32)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 class Load:
