@@ -197,6 +197,14 @@ def test_determinism_options_reach_the_policy(http):
     layercast = report({"policy": "layercast"})
     assert layercast["policy"] == "layercast"
     assert layercast["batch_invariant"] is False and layercast["deterministic"] is False
+    plain = http.post("/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 8,
+                                               "deterministic": True}).json()
+    spec = report({"policy": "batch-invariant"}, prompt="1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=8,
+                  speculative={"method": "ngram", "num_tokens": 3})
+    assert spec["speculation_exact"] is True and spec["proposed_tokens"] > 0
+    again = http.post("/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 8,
+                                               "deterministic": True, "speculative": {"num_tokens": 3}}).json()
+    assert again["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -253,6 +261,9 @@ def test_malformed_bodies(http, body, status, needle):
     ({"determinism": {"policy": "margin", "defer": 1025}}, "determinism.defer", "<= 1024"),
     ({"determinism": {"verifier_precision": "fp8"}}, "determinism.verifier_precision", "unknown verifier precision"),
     ({"determinism": {"policy": "margin", "bogus": 1}}, "determinism.bogus", "unknown field"),
+    ({"speculative": {"num_tokens": 0}}, "speculative.num_tokens", "num_tokens must be an integer in [1, 16]"),
+    ({"speculative": {"method": "medusa"}}, "speculative.method", "unknown speculative method"),
+    ({"speculative": {"method": "draft"}}, "speculative.method", "needs a draft model"),
     ({"deterministic": False, "determinism": {"policy": "margin"}}, "deterministic", "contradicts"),
     ({"deterministic": True, "determinism": {"policy": "fast"}}, "determinism.policy", "batch-invariant"),
     ({"deterministic": True, "determinism": {"policy": "layercast"}}, "determinism.policy", "promises determinism"),
