@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..errors import OptionError
 from ..kernels import invariant
 
 if TYPE_CHECKING:
@@ -36,12 +37,8 @@ INT64 = 1 << 63
 MAX_LOGPROBS = 20
 
 
-class SamplingError(ValueError):
+class SamplingError(OptionError):
     """A bad sampling option; `option` names the SamplingParams field."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
 
 
 def _number(option: str, value, low: float, high: float, low_open: bool = False) -> float:

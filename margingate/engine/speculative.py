@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OptionError
 from .sampling import scores
 from .sequence import Sequence
 
@@ -26,12 +27,8 @@ MAX_SPECULATIVE_TOKENS = 16   # past this a pass is compute-bound on every CPU w
 METHODS = ("ngram", "draft")
 
 
-class SpeculativeError(ValueError):
+class SpeculativeError(OptionError):
     """A bad speculative option; `option` names the field."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..engine.policy import Policy, Promise
+from ..errors import OptionError
 from .batch_invariant import BatchInvariantPolicy
 from .dvr import DVRPolicy
 from .fast import FastLibraryPolicy, FastPolicy
@@ -40,12 +41,8 @@ POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
 POLICY_NAMES = [*POLICIES, AUTO]  # what a user may name
 
 
-class PolicyOptionError(ValueError):
+class PolicyOptionError(OptionError):
     """A bad policy option; `option` names the PolicySpec field."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
 
 
 @dataclass(frozen=True)
