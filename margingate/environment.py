@@ -26,8 +26,8 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "default_tau": llm.default_tau, "tau_source": "profile" if llm.profile else "built-in default",
             "machine": platform.machine(), "cpu": _cpu_info("model name") or platform.processor() or "unknown",
             "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
-            "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION,
-            "kernels_linear_path": invariant.linear_path(),
+            "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION, "kernels": llm.model.kernels,
+            "kernels_linear_path": invariant.linear_path() if llm.model.kernels == "compiled" else "triton",
             "python": platform.python_version(), "packages": package_versions()}
 
 

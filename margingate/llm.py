@@ -36,7 +36,8 @@ class Completion:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
-                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None):
+                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
+                 kernels: str = "auto"):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
@@ -44,7 +45,7 @@ class LLM:
         self.model_name = model
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
-        self.model = build_model(self.config, load_state_dict(self.folder), device)
+        self.model = build_model(self.config, load_state_dict(self.folder), device, kernels)
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
@@ -58,7 +59,8 @@ class LLM:
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
-        return DraftModel(build_model(config, load_state_dict(folder), self.device), slots, self.engine.max_len)
+        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels), slots,
+                          self.engine.max_len)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);

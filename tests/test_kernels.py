@@ -85,7 +85,7 @@ def test_linear_rows_independent(name, dtype, threads):
 
 def test_linear_lm_head_rows_independent(llm, threads):
     """The largest shape (lm_head, 49152 x 576) on the model's own packed weights, without bias."""
-    w = llm.model.packed_weights.lm_head
+    w = llm.model.own_weights.lm_head
     x = randn(9, w.k, seed=4)
     alone = torch.cat([K.linear(x[i:i + 1], w) for i in range(9)])
     for n in (2, 4, 5, 8, 9):
@@ -159,13 +159,13 @@ def test_every_path_equals_the_scalar_reference(path, scale, dtype):
 
 def test_the_paths_agree_on_the_model_shapes(llm):
     """Every path this CPU has, against each other, on SmolLM2's own packed layer and head at 1-64 rows."""
-    L = llm.model.packed_weights.layers[0]
+    L = llm.model.own_weights.layers[0]
     before, outs = K.linear_path(), {}
     try:
         for name in K.linear_paths():
             K.use_path(name)
             outs[name] = [K.linear(randn(m, w.k, seed=m), w) for w in (L.qkv, L.gate_up, L.down_proj,
-                                                                         llm.model.packed_weights.lm_head)
+                                                                         llm.model.own_weights.lm_head)
                           for m in (1, 16, 64)]
     finally:
         K.use_path(before)

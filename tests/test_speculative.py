@@ -2,6 +2,7 @@
 without, greedy and seeded, alone and sharing a batch with plain requests, tokens and logprobs."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -15,6 +16,7 @@ from margingate.data.prompts import Prompt
 from margingate.engine import Request
 from margingate.engine.sampling import SamplingParams
 from margingate.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
+from margingate.engine.step_profile import StepProfile
 from margingate.llm import LLM
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -23,6 +25,13 @@ COPYING = [f"Repeat this code exactly, then rename add to plus:\n{CODE}",
            "Summarize in one line: The meeting moved to Tuesday at 10am in room 4 because room 2 is closed."]
 NGRAM = SpeculativeConfig("ngram", num_tokens=4)
 SEEDED = SamplingParams(temperature=0.8, seed=11, repetition_penalty=1.05, logprobs=2)
+
+
+def feed_every_proposal(llm, monkeypatch):
+    """The engine feeds every proposal asked for: the tests that count accepted proposals must not
+    depend on what the step cost model makes of this machine's timings."""
+    monkeypatch.setattr(llm.engine, "config", dataclasses.replace(llm.engine.config, speculative_cost_model=False))
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +58,10 @@ def test_ngram_proposes_what_followed_the_latest_match():
 @pytest.mark.parametrize("policy, sampling", [("batch-invariant", SamplingParams(logprobs=2)),
                                               ("batch-invariant", SEEDED), ("reference", SamplingParams())],
                          ids=["greedy", "seeded", "reference"])
-def test_speculative_equals_plain_bitwise(llm, copying, policy, sampling):
+def test_speculative_equals_plain_bitwise(llm, copying, policy, sampling, monkeypatch):
     """B = 1 and a mixed batch (speculating and plain requests in the same steps): the same tokens
     and logprobs as plain decoding, and proposals were really accepted (the test can fail)."""
+    feed_every_proposal(llm, monkeypatch)
     plain = run(llm, copying, policy, sampling, [None] * 3)
     alone = run(llm, copying[:1], policy, sampling, [NGRAM])[0]
     mixed = run(llm, copying, policy, sampling, [NGRAM, None, NGRAM])
@@ -69,6 +79,34 @@ def test_verifying_policies_decode_without_speculation_and_say_so(llm, copying):
     spec = run(llm, copying[:2], "margin", SamplingParams(), [NGRAM, NGRAM], tokens=12)
     assert [s[0] for s in spec] == [p[0] for p in plain]
     assert spec[0][2]["speculation"] == "off" and "verifies" in spec[0][2]["speculation_off_reason"]
+
+
+def test_step_profile_feeds_proposals_only_where_they_pay():
+    memory_bound, compute_bound = StepProfile(), StepProfile()
+    for rows in (1, 2, 3, 5, 1, 4):
+        memory_bound.observe(rows, 0.020 + 0.0002 * rows)    # reading the weights dominates
+        compute_bound.observe(rows + 16, 0.001 + 0.002 * (rows + 16))  # every row costs its arithmetic
+    assert memory_bound.fit() == pytest.approx((0.020, 0.0002))
+    assert memory_bound.worth(0.5, rows=1, k=8) >= 4            # even a coin-flip proposer pays at B = 1
+    assert memory_bound.worth(0.01, rows=1, k=8) == 0           # one that is never right does not
+    assert compute_bound.worth(0.9, rows=16, k=8) == 0          # a large batch: nothing pays
+    same = StepProfile()
+    for _ in range(5):
+        same.observe(4, 0.01)
+    assert same.fit() is None and same.worth(0.5, rows=4, k=3) == 3  # no fit yet: speculate, rows will vary
+
+
+def test_the_engine_holds_proposals_that_would_not_pay(llm, copying, monkeypatch):
+    """A step profile of a compute-bound machine: the request feeds no proposals, says so, same tokens."""
+    cost = StepProfile()
+    for rows in range(1, 9):
+        cost.observe(rows, 0.0001 + 0.01 * rows)
+    monkeypatch.setattr(cost, "observe", lambda rows, seconds: None)  # keep that profile for the test
+    monkeypatch.setattr(llm.engine, "step_profile", cost)
+    plain = run(llm, copying[:1], "batch-invariant", SamplingParams(), [None], tokens=10)[0]
+    held = run(llm, copying[:1], "batch-invariant", SamplingParams(), [NGRAM], tokens=10)[0]
+    assert held[0] == plain[0]
+    assert held[2]["proposed_tokens"] == 0 and held[2]["speculation_held_steps"] == 8
 
 
 def test_fast_may_differ_and_the_report_says_so(llm, copying):
@@ -110,10 +148,11 @@ def tiny_draft(tmp_path_factory):
 
 
 @pytest.mark.parametrize("draft", ["smollm2-135m", "tiny"])
-def test_draft_proposer_equals_plain(copying, tiny_draft, draft):
+def test_draft_proposer_equals_plain(copying, tiny_draft, draft, monkeypatch):
     """A draft model proposes; the target decides. The target as its own draft accepts every greedy
     proposal, a random draft almost none: the same tokens either way."""
-    llm = LLM(max_batch_size=3, max_model_len=512, draft_model=str(tiny_draft) if draft == "tiny" else draft)
+    llm = feed_every_proposal(LLM(max_batch_size=3, max_model_len=512,
+                                  draft_model=str(tiny_draft) if draft == "tiny" else draft), monkeypatch)
     spec = SpeculativeConfig("draft", num_tokens=3)
     plain = run(llm, copying[:2], "batch-invariant", SamplingParams(), [None, None], tokens=16)
     drafted = run(llm, copying[:2], "batch-invariant", SamplingParams(), [spec, None], tokens=16)

@@ -73,7 +73,8 @@ class CachedRuns:
         self.base = {"version": CACHE_VERSION, "kernels": env["kernels_version"], "model": env["model_fingerprint"],
                      "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
                      "ignore_eos": ignore_eos, "threads": env["num_threads"],
-                     "torch": env["torch"], "device": env["device"]}
+                     "torch": env["torch"], "device": env["device"],
+                     **({"backend": "triton"} if env["kernels"] == "triton" else {})}
 
     def key(self, spec: dict) -> str:
         return settings_key({**self.base, **spec})

@@ -4,6 +4,8 @@ Two measurements, one run, same threads:
 - decode: B = 1 on prompts that ask to repeat or edit a given text or code, each decoded plain and
   with each proposer (`batch-invariant`): ms per output token, acceptance rate, mean accepted
   length, and whether the tokens are bitwise the plain ones;
+- batched: B requests of those prompts at once, plain, with every proposal fed, and with the step
+  cost model deciding (`engine/step_profile.py`): tokens per second and equality;
 - pass cost: the time of a forward where each of B requests feeds k + 1 rows (its span of a
   speculative step) against one row each, for k = 1..K: the ceiling speculation can reach at
   that size is (k + 1) / cost ratio, with every proposal accepted.
@@ -11,6 +13,7 @@ Two measurements, one run, same threads:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -48,11 +51,15 @@ COPYING = [
 ]
 
 
+def encode(llm, prompts: list[str]) -> list[list[int]]:
+    return [llm.tokenizer.encode_prompt(Prompt("chat", ({"role": "user", "content": text},), None, f"spec:{i}"))
+            for i, text in enumerate(prompts)]
+
+
 def decode_rows(llm, prompts: list[str], methods: list[SpeculativeConfig | None], tokens: int) -> list[dict]:
     """Each prompt alone (B = 1), plain and with each config: ms/token and the speculation stats."""
     rows = []
-    for i, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
-        ids = llm.tokenizer.encode_prompt(Prompt("chat", ({"role": "user", "content": text},), None, f"spec:{i}"))
+    for i, ids in enumerate(tqdm(encode(llm, prompts), desc="prompts", leave=False)):
         plain = None
         for spec in methods:
             req = Request(ids, tokens, llm.policy("batch-invariant"), request_id=f"b{i}", speculative=spec)
@@ -65,6 +72,32 @@ def decode_rows(llm, prompts: list[str], methods: list[SpeculativeConfig | None]
                          "same_tokens": res.token_ids == plain,
                          **{key: res.stats.get(key) for key in ("acceptance_rate", "mean_accepted_length",
                                                                  "proposed_tokens", "accepted_tokens")}})
+    return rows
+
+
+def batched_rows(llm, prompts: list[str], batch: int, spec: SpeculativeConfig, tokens: int) -> list[dict]:
+    """B requests at once (the prompts cycled), plain, with every proposal fed, and with the step cost
+    model deciding: output tokens per second, and whether each request's tokens are the plain ones."""
+    engine, config = llm.engine, llm.engine.config
+    ids = encode(llm, prompts)
+    ids = [ids[i % len(ids)] for i in range(batch)]
+    rows, plain = [], None
+    for mode in tqdm(("plain", "every proposal", "cost model"), desc=f"B = {batch}", leave=False):
+        engine.config = dataclasses.replace(config, speculative_cost_model=mode == "cost model")
+        reqs = [Request(x, tokens, llm.policy("batch-invariant"), request_id=f"m{i}",
+                        speculative=None if mode == "plain" else spec) for i, x in enumerate(ids)]
+        t = time.perf_counter()
+        results = engine.generate(reqs)
+        seconds = time.perf_counter() - t
+        plain = plain or [r.token_ids for r in results]
+        stats = [r.stats for r in results]
+        rows.append({"batch_size": batch, "mode": mode, "k": 0 if mode == "plain" else spec.num_tokens,
+                     "tokens_per_second": sum(len(r.token_ids) for r in results) / seconds,
+                     "proposed_tokens": sum(s.get("proposed_tokens", 0) for s in stats),
+                     "accepted_tokens": sum(s.get("accepted_tokens", 0) for s in stats),
+                     "held_steps": sum(s.get("speculation_held_steps", 0) for s in stats),
+                     "bitwise_same": f"{sum(r.token_ids == p for r, p in zip(results, plain))}/{batch}"})
+    engine.config = config
     return rows
 
 
@@ -103,6 +136,23 @@ def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: in
     return rows
 
 
+def llamacpp_rows(llm, folder: Path, prompts: list[str], ks: list[int], tokens: int, repeats: int) -> dict:
+    """llama.cpp's prompt-lookup decoding on the same prompt ids, alone, plain and at each k
+    (`llamacpp_lookup_worker.py`): ms/token, and whether its tokens are its own plain tokens."""
+    from .peers import LlamaCppPeer, run_worker
+
+    peer = LlamaCppPeer(folder, llm.engine.num_threads)
+    data = run_worker(peer.python, "llamacpp_lookup_worker.py", {
+        "gguf": str(peer.gguf), "threads": peer.threads, "prompt_ids": encode(llm, prompts), "max_new_tokens": tokens,
+        "k": ks, "repeats": repeats}, peer.env(), "llamacpp")
+    plain = {r["prompt"]: r["tokens"] for r in data["rows"] if r["k"] == 0}
+    rows = [{"prompt": r["prompt"], "method": "plain" if r["k"] == 0 else "llama.cpp lookup", "k": r["k"],
+             "tokens": len(r["tokens"]), "ms_per_token": 1000 * r["seconds"] / len(r["tokens"]),
+             "same_tokens": r["tokens"] == plain[r["prompt"]], "acceptance_rate": None, "mean_accepted_length": None}
+            for r in data["rows"]]
+    return {"version": data["version"], **peer.facts(), "rows": rows, "summary": summary(rows)}
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per method: median ms/token over the prompts, its ratio to plain, acceptance, equality."""
     out = []
@@ -132,6 +182,23 @@ def markdown(report: dict) -> str:
         length = "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"
         lines.append(f"| {s['method']} | {s['k']} | {s['median_ms_per_token']:.1f} | {s['median_speedup']:.2f}x | "
                      f"{rate} | {length} | {s['bitwise_same']} |")
+    if report.get("llamacpp"):
+        peer = report["llamacpp"]
+        lines += ["", f"## llama.cpp's prompt lookup (llama-cpp-python {peer['version']}), same prompt ids, B = 1",
+                  "", peer["weights"], "", "| method | k | ms/token (median) | speed-up vs its plain (median) | "
+                  "tokens bitwise its plain |", "|---|---|---|---|---|"]
+        for s in peer["summary"]:
+            lines.append(f"| {s['method']} | {s['k']} | {s['median_ms_per_token']:.1f} | {s['median_speedup']:.2f}x | "
+                         f"{s['bitwise_same']} |")
+    if report.get("batched"):
+        lines += ["", f"## B = {report['batched'][0]['batch_size']} at once, batch-invariant", "",
+                  "| mode | k | tokens/s | vs plain | proposed | accepted | held steps | tokens bitwise plain |",
+                  "|---|---|---|---|---|---|---|---|"]
+        base = report["batched"][0]["tokens_per_second"]
+        for r in report["batched"]:
+            lines.append(f"| {r['mode']} | {r['k']} | {r['tokens_per_second']:.1f} | "
+                         f"{r['tokens_per_second'] / base:.2f}x | {r['proposed_tokens']} | {r['accepted_tokens']} | "
+                         f"{r['held_steps']} | {r['bitwise_same']} |")
     if report.get("pass_cost"):
         lines += ["", f"## Pass cost ({report['pass_cost_model']}, {report['context']} positions of context)", "",
                   "k + 1 rows per request against 1; ceiling = (k + 1) / cost ratio, every proposal accepted.", "",
@@ -159,13 +226,18 @@ def plots(report: dict, out: Path) -> list[Path]:
 
 
 def _cmd(args) -> None:
-    llm = cli_args.llm(args, max(args.batch_sizes))
+    llm = cli_args.llm(args, max(*args.batch_sizes, args.batched))
     methods = [None, *(SpeculativeConfig("ngram", k) for k in args.k)]
     if args.draft_model:
         methods += [SpeculativeConfig("draft", k) for k in args.k]
     rows = decode_rows(llm, COPYING, methods, args.max_new_tokens)
     report = {"model": args.model, "max_new_tokens": args.max_new_tokens, "machine": machine_line(llm.environment()),
               "environment": llm.environment(), "rows": rows, "summary": summary(rows)}
+    if "llamacpp" in args.peers:
+        report["llamacpp"] = llamacpp_rows(llm, llm.folder, COPYING, args.k, args.max_new_tokens, args.repeats)
+    if args.batched:
+        report["batched"] = batched_rows(llm, COPYING, args.batched, SpeculativeConfig("ngram", max(args.k)),
+                                         args.max_new_tokens)
     if args.pass_cost_model:
         if args.pass_cost_model != args.model:
             other = argparse.Namespace(**{**vars(args), "model": args.pass_cost_model, "draft_model": None})
@@ -176,16 +248,28 @@ def _cmd(args) -> None:
     print(markdown(report))
 
 
+def _peers(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    if set(names) - {"llamacpp"}:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(sorted(set(names) - {'llamacpp'}))}: "
+                                         "bench-spec compares with llamacpp (llama.cpp's prompt lookup)")
+    return names
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-spec", help="speculative decoding: ms/token at B = 1 and the cost of k + 1-row passes")
     p.add_argument("--k", type=cli_args.int_list, default=[2, 4, 8], help="proposals per step to try")
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=96)
     p.add_argument("--pass-cost-model", default=None, metavar="MODEL",
                    help="also time k + 1-row passes on this model (e.g. a random 1B folder)")
-    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[1, 4, 16])
+    p.add_argument("--batched", type=int, default=16, metavar="B",
+                   help="also decode B requests at once: plain, every proposal fed, the step cost model (0: skip)")
+    p.add_argument("--batch-sizes", type=cli_args.int_list, default=[1, 4, 16], help="pass cost batch sizes")
     p.add_argument("--max-k", type=cli_args.positive_int, default=8)
     p.add_argument("--context", type=cli_args.positive_int, default=256)
     p.add_argument("--repeats", type=cli_args.positive_int, default=5)
+    p.add_argument("--peers", type=_peers, default=[],
+                   help="llamacpp: also llama.cpp's prompt-lookup decoding on the same prompts (`make llamacpp-venv`)")
     p.add_argument("--out", default="results/bench-spec")
     cli_args.add_draft_model_arg(p)
     cli_args.add_model_args(p)

@@ -19,6 +19,7 @@ from .sampling import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 from .speculative import SpeculationStats, accept, off_reason, propose
+from .step_profile import StepProfile
 from .verifier import Verified, Verifier, VerifyJob
 
 
@@ -29,9 +30,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: all cores
     prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
     prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
-    # speculative decoding pays while a pass is memory-bound: a step speculates only while its decode
-    # rows, proposals included, stay within this many (README, "Speculative decoding")
-    speculative_max_rows: int = 16
+    # speculative rows only where the step profile says they pay (step_profile.py); False: every
+    # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
+    speculative_cost_model: bool = True
 
     def __post_init__(self):
         if self.prefix_cache_tokens < 0:
@@ -91,6 +92,7 @@ class Engine:
         self.default_policy = default_policy
         self.step_count = 0
         self.totals = {phase: PhaseTotals() for phase in PHASES}
+        self.step_profile = StepProfile()  # the decode forward's cost by rows: when a proposal pays
         self._finished: list[Sequence] = []
         self._aborted: list[Sequence] = []
 
@@ -160,10 +162,12 @@ class Engine:
         if not prefills and not batch:
             self.step_count += 1
             return self._finished
-        self._speculate(batch)
+        rows = len(batch) + self._speculate(batch)
         t = time.perf_counter()
         out = self.runner.step(prefills, batch)
-        self._count("decode" if batch else "prefill", t, rows=len(batch))
+        seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
+        if batch and not prefills:
+            self.step_profile.observe(rows, seconds)
         self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
         started = self._prefilled(prefills, out[:len(prefills)])
         if batch:
@@ -201,18 +205,23 @@ class Engine:
             started.append(seq)
         return started
 
-    def _speculate(self, batch: list[Sequence]) -> None:
-        """Proposals for the requests that speculate, while the step's rows stay within the budget."""
+    def _speculate(self, batch: list[Sequence]) -> int:
+        """Proposals for the requests that speculate, as many as pay (`step_profile.py`); their count."""
         rows = len(batch)
         for seq in batch:
-            if seq.speculation is None or seq.speculation.off:
+            stats = seq.speculation
+            if stats is None or stats.off:
                 continue
             room = min(seq.request.max_new_tokens - len(seq.output_ids), self.max_len - seq.num_tokens) - 1
-            k = min(seq.request.speculative.num_tokens, room, self.config.speculative_max_rows - rows)
+            k = min(seq.request.speculative.num_tokens, room)
+            if k >= 1 and self.config.speculative_cost_model:
+                k = self.step_profile.worth(stats.rate, rows, k, stats.seconds_per_proposal)
+                stats.held += k == 0
             if k >= 1:
                 if seq.proposer is None:  # on its first step: a draft proposer holds a KV slot
                     seq.proposer = seq.request.speculative.proposer(self.draft)
                 rows += propose(seq, k)
+        return rows - len(batch)
 
     def _decode(self, batch: list[Sequence], out: list[torch.Tensor]) -> None:
         """Each running request's decode rows: a speculating one accepts its proposals; for the
@@ -288,11 +297,13 @@ class Engine:
             seq.proposer.close()
             seq.proposer = None
 
-    def _count(self, phase: str, t0: float, rows: int) -> None:
-        totals = self.totals[phase]
+    def _count(self, phase: str, t0: float, rows: int) -> float:
+        """Add a forward since `t0` to the phase's totals; its seconds."""
+        totals, seconds = self.totals[phase], time.perf_counter() - t0
         totals.calls += 1
         totals.rows += rows
-        totals.seconds += time.perf_counter() - t0
+        totals.seconds += seconds
+        return seconds
 
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:

@@ -50,11 +50,7 @@ class Runner:
         spans = [Span(s, a, b, exact_attention=True, invariant_kernels=True,
                       logits_rows=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
                  for s, a, b in prefills]
-        # a speculating request's span is [last token, d1..dk]: exact attention, so each row is the
-        # row of decoding its position alone
-        spans += [Span(s, s.last_pos - s.drafted, s.num_tokens,
-                       exact_attention=s.policy.exact_attention or s.drafted > 0,
-                       invariant_kernels=not s.policy.library_kernels, logits_rows=s.drafted + 1) for s in decodes]
+        spans += [self._decode_span(s) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)
         for dtype in dict.fromkeys(dtypes):
@@ -63,6 +59,15 @@ class Runner:
             for i, logits in zip(idx, self.forward(part, dtype, any(s.invariant_kernels for s in part))):
                 out[i] = logits
         return out
+
+    def _decode_span(self, seq: Sequence) -> Span:
+        """A request's decode rows: [last token] or, speculating, [last token, d1..dk] (exact attention,
+        so each row is the row of decoding its position alone). A row that need not be exact takes the
+        faster kernel set here: ours on CPU, the library's on CUDA (`LlamaModel.invariant_is_fastest`)."""
+        exact = seq.policy.exact_attention or seq.drafted > 0
+        return Span(seq, seq.last_pos - seq.drafted, seq.num_tokens, exact_attention=exact,
+                    invariant_kernels=not seq.policy.library_kernels and (exact or self.model.invariant_is_fastest),
+                    logits_rows=seq.drafted + 1)
 
     def forward(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
@@ -83,6 +88,9 @@ class Runner:
                                     torch.tensor(slots, device=dev), AttentionPlan(exact, batched), self.kv,
                                     dtype=dtype, invariant=invariant,
                                     logits_rows=torch.tensor(wanted, dtype=torch.long, device=dev))
+        # sampling, logprobs and margins read logits on the CPU (csrc/logits.cpp's fixed orders): the same
+        # bits from the same logits whatever device computed them
+        logits = logits.cpu()
         out, at = [], 0
         for span in spans:
             out.append(logits[at:at + span.logits_rows] if span.logits_rows else None)

@@ -101,7 +101,17 @@ class SpeculationStats:
     proposed: int = 0
     accepted: int = 0
     seconds: float = 0.0    # spent proposing
+    held: int = 0           # steps the cost model fed no proposals (step_profile.py: they would not pay)
     off: str | None = None  # why this request decodes without speculation
+
+    @property
+    def rate(self) -> float:
+        """The acceptance rate so far, starting from an even guess (1 of 2)."""
+        return (self.accepted + 1) / (self.proposed + 2)
+
+    @property
+    def seconds_per_proposal(self) -> float:
+        return self.seconds / self.proposed if self.proposed else 0.0
 
     def report(self) -> dict:
         if self.off:
@@ -109,7 +119,7 @@ class SpeculationStats:
         return {"speculative_steps": self.steps, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
                 "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
                 "mean_accepted_length": round(self.accepted / self.steps, 3) if self.steps else None,
-                "proposal_seconds": round(self.seconds, 6)}
+                "proposal_seconds": round(self.seconds, 6), "speculation_held_steps": self.held}
 
 
 def off_reason(policy) -> str | None:

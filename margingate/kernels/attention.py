@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import invariant, library
+from . import triton as triton_kernels
 
 
 @dataclass
@@ -48,8 +49,9 @@ class AttentionRows:
     window, on first use)."""
 
     def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor,
-                 library_kernels: bool = False):
+                 library_kernels: bool = False, triton: bool = False):
         dev = slots.device
+        self.triton = triton  # exact rows through the Triton kernel (no aligned chunks: library_kernels too)
         self.slots, self.lengths = slots, positions + 1
         self.aligns = torch.zeros_like(positions)
         self.exact = self.batched = None
@@ -84,11 +86,14 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRow
     `window` keys (sliding-window layers). Rows built for the library kernels send their batched
     rows through one padded SDPA call, reading the cache in `dtype`."""
     if rows.batched is None:
+        if rows.triton:
+            return triton_kernels.attention(q, K, V, rows.slots, rows.lengths, scale, window)
         return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns, window)
     out = torch.empty_like(q)
     if rows.exact is not None:
         idx, slots, lengths = rows.exact
-        out[idx] = invariant.attention(q[idx], K, V, slots, lengths, scale, window=window)
+        exact = triton_kernels.attention if rows.triton else invariant.attention
+        out[idx] = exact(q[idx], K, V, slots, lengths, scale, window=window)
     b = rows.batched
     keys = slice(b.first_slot, b.end_slot) if b.gather is None else b.gather  # a slice: views, no copy
     kb, vb = K[keys, :, :b.padded_length], V[keys, :, :b.padded_length]

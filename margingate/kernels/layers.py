@@ -1,10 +1,11 @@
-"""The model's layers as numerics, through one of the two kernel sets.
+"""The model's layers as numerics, through one of three kernel sets.
 
 A forward picks its set once (`kernel_set`): `INVARIANT` runs every Linear, norm and
-activation through our compiled kernels over bf16 weights packed at load (`packing.py`),
-whatever the activations' dtype; `LIBRARY` through PyTorch's ops, with plain weights in the
-activations' dtype. The op order of each layer (the MLP, the final norm and head) is fixed here,
-not in the model.
+activation through our compiled CPU kernels over bf16 weights packed at load (`packing.py`),
+whatever the activations' dtype; `TRITON` through the batch-invariant Triton kernels (CUDA, or
+CPU under Triton's interpreter) over the plain bf16 weights loaded; `LIBRARY` through PyTorch's
+ops, with plain weights in the activations' dtype. The op order of each layer (the MLP, the final
+norm and head) is fixed here, not in the model.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import invariant, library
+from . import triton as triton_kernels
 from .packing import PackedWeight
 
 Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = None) -> [M, N]
@@ -27,7 +29,7 @@ class KernelSet:
     rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, unit_offset=False)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
-    packed: bool  # True: the model's packed bf16 weights, for any activation dtype
+    own_weights: bool  # True: the model's bf16 weights as loaded (packed for INVARIANT), for any activation dtype
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""
@@ -41,13 +43,16 @@ class KernelSet:
 
 
 INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,
-                      packed=True)
+                      own_weights=True)
+TRITON = KernelSet("triton", triton_kernels.linear, triton_kernels.rmsnorm, triton_kernels.silu_mul,
+                   triton_kernels.gelu_tanh_mul, own_weights=True)
 LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, library.gelu_tanh_mul,
-                    packed=False)
+                    own_weights=False)
 
 
-def kernel_set(use_invariant: bool) -> KernelSet:
-    return INVARIANT if use_invariant else LIBRARY
+def kernel_set(use_invariant: bool, triton: bool = False) -> KernelSet:
+    """The invariant set of the model's backend (`triton`: the Triton kernels), or the library's."""
+    return (TRITON if triton else INVARIANT) if use_invariant else LIBRARY
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -10,10 +10,12 @@ if TYPE_CHECKING:
     from .llama import LlamaModel
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu") -> LlamaModel:
-    """Gemma 3's forward for Gemma3ForCausalLM, the Llama family's for the others."""
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
+                kernels: str = "auto") -> LlamaModel:
+    """Gemma 3's forward for Gemma3ForCausalLM, the Llama family's for the others; `kernels`: the
+    invariant kernels' backend (`llama.resolve_kernels`)."""
     from .gemma3 import Gemma3Model
     from .llama import LlamaModel
 
     model = Gemma3Model if config.architecture == "Gemma3ForCausalLM" else LlamaModel
-    return model(config, state, device)
+    return model(config, state, device, kernels)

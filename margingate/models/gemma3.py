@@ -32,8 +32,9 @@ from .weights import LayerWeights, ModelWeights
 class Gemma3Model(LlamaModel):
     unit_offset_norms = True
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu"):
-        super().__init__(config, state, device)
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
+                 kernels: str = "auto"):
+        super().__init__(config, state, device, kernels)
         self._embed_scale = math.sqrt(config.hidden_size)
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:

@@ -25,20 +25,43 @@ from ..kv_cache import KVCache
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights, build
 
-__all__ = ["AttentionPlan", "LlamaModel"]
+__all__ = ["AttentionPlan", "LlamaModel", "resolve_kernels"]
+KERNELS = ("auto", "compiled", "triton")
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """`auto`: Triton on CUDA, the compiled C++ kernels on CPU. `triton` on CPU runs the CUDA path's
+    kernels under Triton's interpreter (TRITON_INTERPRET=1: tests and dry runs, slow); anything that
+    cannot run is an error naming what is missing."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
+    if kernels == "auto":
+        kernels = "triton" if device.type == "cuda" else "compiled"
+    if kernels == "compiled" and device.type != "cpu":
+        raise ValueError(f"the compiled invariant kernels run on CPU; on {device} use --kernels triton")
+    if kernels == "triton":
+        from ..kernels import triton as triton_kernels
+
+        triton_kernels.require()
+    return kernels
 
 
 class LlamaModel:
     unit_offset_norms = False  # Gemma's RMSNorms scale by 1 + weight (gemma3.py)
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu"):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
+                 kernels: str = "auto"):
         """`state`: tensors by Hugging Face name (`loader.load_state_dict`); checked against the
-        architecture's name map, so a missing or stray tensor is refused here by name."""
+        architecture's name map, so a missing or stray tensor is refused here by name. `kernels`: the
+        invariant kernels' backend (`resolve_kernels`): `compiled` (C++, CPU) or `triton`."""
         self.config = config
         self.device = torch.device(device)
+        self.kernels = resolve_kernels(kernels, self.device)
+        self.triton = self.kernels == "triton"
         source = getattr(state, "source", "the given state dict")
-        # One copy of the weights: packed for our kernels; the library's plain copies on first use.
-        self.packed_weights = build(config, state, self.device, source)
+        # One copy of the weights: packed for our C++ kernels (plain bf16 for Triton's); the library's
+        # plain copies in another dtype on first use.
+        self.own_weights = build(config, state, self.device, source, packed=not self.triton)
         self._library_weights: dict[torch.dtype, ModelWeights] = {}
         self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
         # the sliding-window layers' own RoPE base (Gemma 3)
@@ -47,11 +70,19 @@ class LlamaModel:
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
         self._stack_weights: list[torch.Tensor] | None = None
 
+    @property
+    def invariant_is_fastest(self) -> bool:
+        """Do the invariant kernels beat the library's here? Our compiled CPU kernels do, so `fast` runs
+        them; on CUDA cuBLAS and SDPA are far ahead of the Triton kernels, so `fast` runs those."""
+        return not self.triton
+
     def weights(self, dtype: torch.dtype) -> ModelWeights:
         """The library kernels' weights, plain, in `dtype`: unpacked on first use (only `fast-library`
         and LayerCast pay for this second copy)."""
+        if self.triton and dtype == torch.bfloat16:  # already plain bf16: no second copy
+            return self.own_weights
         if dtype not in self._library_weights:
-            self._library_weights[dtype] = self.packed_weights.to(dtype)
+            self._library_weights[dtype] = self.own_weights.to(dtype)
         return self._library_weights[dtype]
 
     @torch.inference_mode()
@@ -63,10 +94,12 @@ class LlamaModel:
         `invariant`: every Linear, norm and activation through the invariant kernels (bf16
         weights; `dtype` is the activations'). Otherwise the library's, with weights in `dtype`.
         """
-        ops = layers.kernel_set(invariant)
-        W = self.packed_weights if ops.packed else self.weights(dtype)
+        ops = layers.kernel_set(invariant, self.triton)
+        W = self.own_weights if ops.own_weights else self.weights(dtype)
         h = self._embed(tokens, W, dtype)
-        rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY)
+        # the Triton attention has no batch-aligned chunks: batched rows take the library's padded call
+        rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY or self.triton,
+                             triton=self.triton)
         if self._fusable(ops, dtype, kv):
             h = self._stack(h, W, kv, positions, rows)
         else:

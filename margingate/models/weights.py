@@ -185,10 +185,12 @@ def check(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> d
 
 
 def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
-          source: str = "the given state dict") -> ModelWeights:
+          source: str = "the given state dict", packed: bool = True) -> ModelWeights:
     """Check `state` against the map, then fuse it into bf16 tensors on `device`, every matrix packed
-    as soon as it is fused, so that memory holds one layer's plain copy at most (the library
-    kernels' plain copy: `ModelWeights.to`)."""
+    (for our C++ kernels; `packed=False`: plain, for the Triton kernels) as soon as it is fused, so
+    that memory holds one layer's plain copy at most (the library kernels' plain copy:
+    `ModelWeights.to`)."""
+    pack_ = pack if packed else (lambda t: t)
     names = check(config, state, source)
 
     def get(key: str) -> torch.Tensor | None:
@@ -196,7 +198,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
             return None
         parts = [state[n] for n in names[key]]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
-        return pack(t) if key.rsplit(".", 1)[-1] in MATRICES else t
+        return pack_(t) if key.rsplit(".", 1)[-1] in MATRICES else t
 
     embed = get("embed")
     layers = [LayerWeights(
@@ -207,7 +209,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
         **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP},
     ) for i in range(config.num_layers)]
-    lm_head = pack(embed if config.tie_embeddings else get("lm_head"))
+    lm_head = pack_(embed if config.tie_embeddings else get("lm_head"))
     if config.tie_embeddings:  # a tied model's embedding rows are read from its packed head
         embed = lm_head
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)

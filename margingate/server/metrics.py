@@ -74,6 +74,8 @@ class Metrics:
             ("speculative_accepted_tokens_total", "proposed tokens accepted (the acceptance rate: / proposed)"),
             ("speculative_steps_total", "decode steps that carried proposals (mean accepted length: accepted / steps)"),
             ("speculative_proposal_seconds_total", "time spent proposing"),
+            ("speculative_held_steps_total", "steps a speculating request fed no proposals: the step cost model "
+                                             "said they would not pay"),
             ("engine_steps_total", "engine steps (admit + prefill + one batched decode)"),
             ("engine_step_errors_total", "engine steps that raised; their requests failed with 500"),
             ("engine_seconds_total", "engine time by phase (prefill, decode, verify)"),

@@ -298,7 +298,8 @@ class EngineWorker:
                           ("proposed_tokens", "speculative_proposed_tokens_total"),
                           ("accepted_tokens", "speculative_accepted_tokens_total"),
                           ("speculative_steps", "speculative_steps_total"),
-                          ("proposal_seconds", "speculative_proposal_seconds_total")):
+                          ("proposal_seconds", "speculative_proposal_seconds_total"),
+                          ("speculation_held_steps", "speculative_held_steps_total")):
             m.inc(name, float(stats.get(key, 0) or 0), policy=policy)
 
     def _fail_step(self, exc: Exception) -> None:
