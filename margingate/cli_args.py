@@ -80,7 +80,8 @@ def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
 
 def add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--policy", default=default, choices=POLICY_NAMES,
-                   help="auto: the cheapest guaranteed policy for --device (CPU: batch-invariant, CUDA: margin)")
+                   help="auto: the cheapest guaranteed policy for --device (CPU: batch-invariant; CUDA: the one "
+                        "that GPU's bench measured cheaper, batch-invariant or margin)")
     p.add_argument("--tau", type=tau, default=None,
                    help="margin threshold in logits; inf verifies every step (default: the model profile's)")
     p.add_argument("--repair", default="replay", choices=REPAIRS)

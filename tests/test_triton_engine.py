@@ -109,3 +109,24 @@ def test_triton_speculation_equals_plain(model, alone):
     eng = engine(model, "batch-invariant")
     spec = SpeculativeConfig("ngram", num_tokens=3)
     assert decode(eng, PROMPTS, "batch-invariant", "s", speculative=spec) == alone
+
+
+def test_triton_auto_on_cuda_follows_the_recorded_bench(tmp_path, monkeypatch):
+    """`auto` on a GPU: batch-invariant until a bench on it recorded which guarantee costs less."""
+    from margingate.policies import auto_rule
+    from margingate.policies.options import auto_policy
+
+    monkeypatch.setenv("MARGINGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto_rule, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert auto_policy("cuda") == "batch-invariant" and auto_policy("cpu") == "batch-invariant"
+
+    def main(bi: float, margin: float) -> dict:  # tokens/s at one batch size, fast at 100
+        return {"fast": {"tokens_per_s": 100.0}, "batch-invariant": {"tokens_per_s": bi},
+                "margin": {"tokens_per_s": margin}}
+
+    report = {"main": {"B1": main(80, 90), "B8": main(70, 85), "B64": main(75, 60)}}
+    path = auto_rule.record(report, "cuda")
+    assert path.name == "NVIDIA_H100_80GB_HBM3.json" and auto_policy("cuda") == "margin"  # margin cheaper at 2 of 3
+    auto_rule.record({"main": {"B8": main(90, 80)}}, "cuda")
+    assert auto_policy("cuda") == "batch-invariant"
+    assert auto_rule.record({"main": {"B8": {"fast": {"tokens_per_s": 1.0}}}}, "cuda") is None

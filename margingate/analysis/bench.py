@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,3 +289,9 @@ def _cmd(args) -> None:
                        workload=args.dataset or args.prompts_file or "built-in prompts",
                        profile_passes=not args.no_pass_profile)
     print(json.dumps(report) if args.json else markdown(report))
+    if args.device.startswith("cuda"):  # what `auto` resolves to on this GPU from now on
+        from ..policies.auto_rule import record
+
+        path = record(report, args.device)
+        print(f"auto on this GPU: recorded in {path}" if path else
+              "auto on this GPU: not decided (bench fast, batch-invariant and margin together)", file=sys.stderr)

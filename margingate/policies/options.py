@@ -17,9 +17,13 @@ AUTO = "auto"        # not a policy: a name resolved per device to the cheapest 
 def auto_policy(device: str) -> str:
     """The cheapest policy that guarantees determinism on `device`, from measurement (README, "auto").
     On CPU the invariant kernels decode faster than the library's (bench: 529 vs 349 tok/s at B=16),
-    so every row may as well take them: `batch-invariant`, nothing to verify. On CUDA the library's
-    GEMMs are far ahead of ours: `margin`, the fast path with the verifier at near-ties (the paper)."""
-    return "margin" if str(device).startswith("cuda") else "batch-invariant"
+    so every row may as well take them: `batch-invariant`, nothing to verify. On CUDA it depends on the
+    GPU: what its `margingate bench` recorded (`auto_rule.py`), else `batch-invariant`."""
+    if not str(device).startswith("cuda"):
+        return "batch-invariant"
+    from .auto_rule import measured
+
+    return measured(device) or "batch-invariant"
 
 
 def parse_tau(tau: Any) -> float:

