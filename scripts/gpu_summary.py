@@ -37,7 +37,7 @@ def bench_lines(out: Path) -> list[str]:
             if "margin" in rows and "dvr" in rows:
                 margin = fast / rows["margin"]["tokens_per_s"] - 1
                 dvr = fast / rows["dvr"]["tokens_per_s"] - 1
-                ratio = f"{dvr / margin:.2f}x" if margin > 0 else "margin no slower than fast"
+                ratio = f"{dvr / margin:.2f}x" if margin > 0 and dvr > 0 else "- (a policy no slower than fast)"
                 ratios.append(f"| {model} | {batch[1:]} | {100 * margin:+.1f} % | {100 * dvr:+.1f} % | {ratio} |")
     lines += ["", f"dvr's increment over margin's (the paper: {PAPER_RATIO}x)", "",
               "| model | B | margin over fast | dvr over fast | dvr / margin |", "|---|---|---|---|---|", *ratios]

@@ -83,9 +83,14 @@ def test_promises_are_derived_once_from_the_options():
     assert PolicySpec("margin", strict=False, defer=8).build().defer == 0
 
 
-def test_auto_resolves_per_device():
-    """`auto` is resolved in the spec layer, once: the cheapest guaranteed policy for the device, named in
-    the report; other names are left alone, and an unresolved `auto` has no class to build by accident."""
+def test_auto_resolves_per_device(monkeypatch):
+    """`auto` is resolved in the spec layer, once: the cheapest guaranteed policy for the device (on a GPU,
+    what its bench recorded: here margin; auto_rule's own test in test_triton_engine.py), named in the
+    report; other names are left alone, and an unresolved `auto` has no class to build by accident."""
+    from margingate.policies import auto_rule
+
+    assert PolicySpec("auto").resolve("cuda").name == "batch-invariant"  # no GPU here: never measured
+    monkeypatch.setattr(auto_rule, "measured", lambda device: "margin")
     cpu, cuda = PolicySpec("auto").resolve("cpu"), PolicySpec("auto", tau=0.2).resolve("cuda:0")
     assert (cpu.name, cpu.chosen_by) == ("batch-invariant", "auto")
     assert (cuda.name, cuda.tau, cuda.chosen_by) == ("margin", 0.2, "auto")

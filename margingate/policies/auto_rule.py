@@ -16,10 +16,11 @@ from pathlib import Path
 CONTENDERS = ("fast", "batch-invariant", "margin")
 
 
-def gpu_name(device: str) -> str:
+def gpu_name(device: str) -> str | None:
+    """The GPU's name, or None where torch sees no GPU."""
     import torch
 
-    return torch.cuda.get_device_name(torch.device(device))
+    return torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else None
 
 
 def rule_path(gpu: str) -> Path:
@@ -45,10 +46,9 @@ def decide(main: dict) -> dict | None:
 
 def record(report: dict, device: str) -> Path | None:
     """Write the rule a CUDA bench report implies for this GPU; its path (None: nothing to decide)."""
-    rule = decide(report.get("main", {}))
-    if rule is None:
+    rule, gpu = decide(report.get("main", {})), gpu_name(device)
+    if rule is None or gpu is None:
         return None
-    gpu = gpu_name(device)
     path = rule_path(gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": gpu, **rule}, indent=2))
@@ -56,6 +56,7 @@ def record(report: dict, device: str) -> Path | None:
 
 
 def measured(device: str) -> str | None:
-    """The policy this GPU's recorded bench chose, or None if it was never measured."""
-    path = rule_path(gpu_name(device))
-    return json.loads(path.read_text())["policy"] if path.exists() else None
+    """The policy this GPU's recorded bench chose, or None if it was never measured (or torch sees no GPU)."""
+    gpu = gpu_name(device)
+    path = rule_path(gpu) if gpu else None
+    return json.loads(path.read_text())["policy"] if path and path.exists() else None
