@@ -162,7 +162,7 @@ class Engine:
         if not prefills and not batch:
             self.step_count += 1
             return self._finished
-        rows = len(batch) + self._speculate(batch)
+        rows = self._speculate(batch)
         t = time.perf_counter()
         out = self.runner.step(prefills, batch)
         seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
@@ -206,7 +206,8 @@ class Engine:
         return started
 
     def _speculate(self, batch: list[Sequence]) -> int:
-        """Proposals for the requests that speculate, as many as pay (`step_profile.py`); their count."""
+        """Proposals for the requests that speculate, as many as pay (`step_profile.py`); the step's decode
+        rows, proposals included."""
         rows = len(batch)
         for seq in batch:
             stats = seq.speculation
@@ -221,7 +222,7 @@ class Engine:
                 if seq.proposer is None:  # on its first step: a draft proposer holds a KV slot
                     seq.proposer = seq.request.speculative.proposer(self.draft)
                 rows += propose(seq, k)
-        return rows - len(batch)
+        return rows
 
     def _decode(self, batch: list[Sequence], out: list[torch.Tensor]) -> None:
         """Each running request's decode rows: a speculating one accepts its proposals; for the

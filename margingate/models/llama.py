@@ -57,7 +57,6 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.kernels = resolve_kernels(kernels, self.device)
-        self.triton = self.kernels == "triton"
         source = getattr(state, "source", "the given state dict")
         # One copy of the weights: packed for our C++ kernels (plain bf16 for Triton's); the library's
         # plain copies in another dtype on first use.
@@ -69,6 +68,11 @@ class LlamaModel:
                               if any(config.layer_windows) else None)
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
         self._stack_weights: list[torch.Tensor] | None = None
+
+    @property
+    def triton(self) -> bool:
+        """The invariant kernels are the Triton ones (`kernels/triton/`)."""
+        return self.kernels == "triton"
 
     @property
     def invariant_is_fastest(self) -> bool:

@@ -101,10 +101,11 @@ class DeterminismOptions(BaseModel):
 
 
 class SpeculativeOptions(BaseModel):
-    """The `speculative` block; `SpeculativeConfig` validates the values (its field names are these)."""
+    """The `speculative` block; `SpeculativeConfig` validates the values and owns the defaults (its field
+    names are these; an absent one is left out)."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: str = "ngram"
+    method: str | None = None
     num_tokens: int | None = None
     ngram_max: int | None = None
     ngram_min: int | None = None
