@@ -51,6 +51,7 @@ class LLM:
         self.default_policy = self.policy(policy)
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
                                                       prefix_cache_tokens), lambda: self.default_policy)
+        self.engine.detokenize = self.tokenizer.decode
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
 

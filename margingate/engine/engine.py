@@ -20,6 +20,7 @@ from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 from .speculative import SpeculationStats, accept, off_reason, propose
 from .step_profile import StepProfile
+from .stops import StopStrings
 from .verifier import Verified, Verifier, VerifyJob
 
 
@@ -87,6 +88,7 @@ class Engine:
         self.runner = Runner(model, self.kv)
         self.verifier = Verifier(self.runner)
         self.draft = None  # a DraftModel (draft.py) for `speculative: draft` requests, set by LLM
+        self.detokenize = None  # token ids -> text, for stop strings (stops.py); set by LLM and the server
         self.scheduler = Scheduler(self.kv)
         self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.default_policy = default_policy
@@ -122,6 +124,10 @@ class Engine:
         stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
         seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop))
         seq.state = seq.policy.new_state(seq)
+        if request.sampling.stop:
+            if self.detokenize is None:
+                raise ValueError("stop strings need a detokenizer: this engine was built without a tokenizer")
+            seq.stops = StopStrings(request.sampling.stop, self.detokenize)
         if request.speculative is not None:
             request.speculative.check(self.draft)
             seq.speculation = SpeculationStats(off=off_reason(seq.policy))
@@ -200,6 +206,7 @@ class Engine:
             if seq.request.max_new_tokens:  # the prompt's last row chooses the first token
                 seq.output_ids.append(int(torch.argmax(scores(seq, rows[-1], seq.prompt_len))))
                 self._record(seq, seq.prompt_len - 1, rows[-1:])
+                seq.cut_at_stop()
             if self.prefix is not None:  # the prompt path's K/V, before any decode write
                 self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
             started.append(seq)
@@ -233,6 +240,7 @@ class Engine:
                 seq.steps += 1
                 first = seq.num_tokens - seq.drafted - 1  # the last token's position, the span's first
                 self._record(seq, first, accept(seq, rows))
+                seq.cut_at_stop()  # the step may have accepted tokens past a stop string
             else:
                 plain.append((seq, rows[-1]))
         if plain:
@@ -252,6 +260,7 @@ class Engine:
                 self._record(seq, job.start, rows_of.logits)
             if len(seq.logprobs) < len(seq.output_ids):
                 self._record(seq, seq.num_tokens - 2, raw[None])
+            seq.cut_at_stop()
 
     def _record(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """Logprobs of the output tokens that rows (at positions first, first + 1, ...) choose."""
@@ -287,8 +296,10 @@ class Engine:
                     seq.finish_reason = seq.should_stop(self.max_len) or "stop"
                     self._retire(seq)
                     self._finished.append(seq)
-                elif seq.should_stop(self.max_len):
-                    still.append(seq)
+                else:
+                    seq.cut_at_stop()  # the re-check rolled back and appended the verifier's token
+                    if seq.should_stop(self.max_len):
+                        still.append(seq)
             stopping = still
 
     def _retire(self, seq: Sequence) -> None:

@@ -54,6 +54,13 @@ def _count(option: str, value, high: int) -> None:
         raise SamplingError(option, f"{option} must be an integer in [0, {high}], got {value!r}")
 
 
+def _stop_strings(value) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else tuple(value or ()) if isinstance(value, (list, tuple)) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
+        raise SamplingError("stop", f"stop must be a non-empty string or a list of them, got {value!r}")
+    return stops
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its tokens, and which logprobs it wants back. Validated here, once:
@@ -69,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None       # each output token's logprob and its top `logprobs` alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo scoring)
+    stop: tuple[str, ...] = ()        # stop strings: the output ends with the token completing one (stops.py)
 
     def __post_init__(self):
         _number("temperature", self.temperature, 0.0, 2.0)
@@ -92,6 +100,7 @@ class SamplingParams:
         _count("prompt_logprobs", self.prompt_logprobs, MAX_LOGPROBS)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
 
     def seeded(self) -> SamplingParams:
         """With a seed drawn now when sampling has none (sampling still works, unreproducibly)."""

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..kv_cache import SlotView
     from .policy import Policy
     from .speculative import Proposer, SpeculationStats, SpeculativeConfig
+    from .stops import StopStrings
 
 _ids = itertools.count()
 
@@ -78,6 +79,8 @@ class Sequence:
     speculation: SpeculationStats | None = None  # if the request speculates
     proposer: Proposer | None = None
     drafted: int = 0                       # proposals appended for this step's forward, not yet accepted
+    stops: StopStrings | None = None       # the request's stop strings, with the engine's detokenizer
+    stop_at: int | None = None             # output tokens up to the one completing a stop string
 
     @property
     def request_id(self) -> str:
@@ -117,8 +120,22 @@ class Sequence:
         del self.output_ids[num_tokens - self.prompt_len:]
         del self.logprobs[num_tokens - self.prompt_len:]
         self.released = min(self.released, len(self.output_ids))
+        if self.stop_at is not None and self.stop_at > len(self.output_ids):
+            self.stop_at = None  # the token that completed the stop string is gone
+
+    def cut_at_stop(self) -> None:
+        """Tokens were appended: end the output at the token completing a stop string, if one does."""
+        if self.stops is None or self.stop_at is not None:
+            return
+        keep = self.stops.completing(self.output_ids)
+        if keep is not None:
+            if keep < len(self.output_ids):
+                self.rollback(self.prompt_len + keep)
+            self.stop_at = keep
 
     def should_stop(self, max_len: int) -> str | None:
+        if self.stop_at is not None:
+            return "stop"
         if self.output_ids and not self.request.ignore_eos and self.output_ids[-1] in self.stop_ids:
             return "stop"
         if len(self.output_ids) >= self.request.max_new_tokens:

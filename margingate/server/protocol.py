@@ -12,7 +12,8 @@ What is supported, and what is refused with a 400 naming the field:
   {"type": "text", "text": ...} parts;
 - `temperature` defaults to 0 (greedy), unlike OpenAI's 1: the server's point is reproducible
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
-- `stop`: a string or up to 4 strings (the text is cut before the stop string);
+- `stop`: a string or up to 4 strings (the text is cut before the stop string; token ids, logprobs
+  and usage end with the token that completes it: `engine/stops.py`);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
   verifier_precision, defer, window, group}, `speculative` {method, num_tokens, ngram_max,
   ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
@@ -186,7 +187,7 @@ class _Common(BaseModel):
 
     def sampling_options(self) -> dict:
         """The `SamplingParams` keywords this body sets (logprobs: the subclass adds them)."""
-        opts = {"temperature": self.greedy_temperature, "seed": self.seed,
+        opts = {"temperature": self.greedy_temperature, "seed": self.seed, "stop": tuple(self.stop_strings),
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
         for name, value in (("top_p", self.top_p), ("top_k", self.top_k), ("min_p", self.min_p),
                             ("presence_penalty", self.presence_penalty),

@@ -19,6 +19,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue)
+        engine.detokenize = self.decode  # stop strings, decoded on the engine thread under the tokenizer's lock
         self.environment = llm.environment()
         self.environment["num_threads"] = engine.num_threads
         self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
