@@ -157,6 +157,20 @@ def test_every_path_equals_the_scalar_reference(path, scale, dtype):
                 assert torch.equal(bits(K.linear(x, w, bias)), bits(want)), (path, n, k, m, bias is None)
 
 
+@pytest.mark.parametrize("n, k", [(40, 70), (96, 576), (250, 1100)])
+@pytest.mark.parametrize("threads", [1, 3], ids=lambda n: f"{n}-threads", indirect=True)
+def test_no_blocking_choice_changes_a_bit(path, n, k, threads):
+    """Every row count from 1 to 300 (one and several row jobs, full and partial register tiles,
+    regrouped and in-register weights), bitwise the scalar reference's rows: how the linear blocks
+    rows, panels and k slices, and how it splits them over threads, is free; the order is not."""
+    w, b = pack(edge_inputs(n, k, 1.0, seed=n)), randn(n, seed=14)
+    x = edge_inputs(300, k, 1.0, seed=k)
+    want = bits(K.linear_reference(x, w, b))
+    for m in range(1, 301):
+        got = bits(K.linear(x[:m], w, b))
+        assert torch.equal(got, want[:m]), (path, n, k, m)
+
+
 def test_the_paths_agree_on_the_model_shapes(llm):
     """Every path this CPU has, against each other, on SmolLM2's own packed layer and head at 1-64 rows."""
     L = llm.model.own_weights.layers[0]

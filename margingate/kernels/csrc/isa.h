@@ -9,7 +9,12 @@ namespace mg {
 // Rows [0, m) of x against panels [p0, p1) of the packed weights, summed into acc (fp32, zeroed
 // by the caller; row stride ldacc; column 0 is panel 0's first), under FTZ | DAZ set by the caller.
 // FMA paths read xf (fp32 rows of kp values); AMX reads xb (bf16 rows of kp values, m rounded up
-// to 16 rows, the extra ones zero; acc has as many rows); AVX512-BF16 reads xb regrouped by chain.
+// to 16 rows, the extra ones zero; acc has as many rows); AVX512-BF16 reads xb regrouped by chain, in
+// tiles of kBf16Rows rows (row i of the task at xb + i * kp when i is a multiple of kBf16Rows).
+// AVX512-BF16 reads x in tiles of kBf16Rows rows: per block of 32 k, the tile's rows one after the
+// other (the last tile of x holds the rows left, R < kBf16Rows, as R rows per block).
+constexpr int64_t kBf16Rows = 4;
+
 struct LinearTask {
   const float* xf;
   const uint16_t* xb;

@@ -63,10 +63,11 @@ Shape check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, boo
 }
 
 // x as the path reads it, zero-padded in k: fp32 rows (FMA paths, exact widening), bf16 rows
-// (AMX: a multiple of 16 rows), or bf16 rows regrouped by chain (AVX512-BF16: per block of 32 k,
-// k = 32b + 4s + t, the words (lo t=2 | hi t=0) for s = 0..7, then (lo t=3 | hi t=1)).
+// (AMX: a multiple of 16 rows), or bf16 rows regrouped by chain in tiles of kBf16Rows rows
+// (AVX512-BF16: per block of 32 k, k = 32b + 4s + t, the words (lo t=2 | hi t=0) for s = 0..7, then
+// (lo t=3 | hi t=1); a block's 32 values at `step` apart from the next block's). Moves bits only.
 template <typename X>
-void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, void* dst) {
+void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, int64_t step, void* dst) {
   if (!reads_bf16(path)) {
     float* d = static_cast<float*>(dst);
     for (int64_t j = 0; j < kp; ++j) d[j] = j < k ? static_cast<float>(src[j]) : 0.0f;
@@ -78,24 +79,30 @@ void lay_out_row(const X* src, int64_t k, int64_t kp, Path path, void* dst) {
     for (int64_t j = 0; j < kp; ++j) d[j] = at_k(j);
     return;
   }
-  for (int64_t b = 0; b < kp; b += kBlock)
+  for (int64_t b = 0; b < kp; b += kBlock, d += step)
     for (int64_t c = 0; c < 2; ++c)      // the even chain's words, then the odd one's
       for (int64_t s = 0; s < 8; ++s) {  // lo: step 2s + 1, hi: step 2s
-        d[b + 16 * c + 2 * s] = at_k(b + 4 * s + 2 + c);
-        d[b + 16 * c + 2 * s + 1] = at_k(b + 4 * s + c);
+        d[16 * c + 2 * s] = at_k(b + 4 * s + 2 + c);
+        d[16 * c + 2 * s + 1] = at_k(b + 4 * s + c);
       }
 }
 
 at::Tensor lay_out(const at::Tensor& x, const Shape& s, Path path) {
-  const bool bf16_rows = reads_bf16(path);
+  const bool bf16_rows = reads_bf16(path), tiled = path == Path::kAvx512Bf16;
   const int64_t rows = path == Path::kAmx ? round_up(s.m, 16) : s.m;
-  at::Tensor out = at::zeros({rows, s.kp}, x.options().dtype(bf16_rows ? at::kBFloat16 : at::kFloat));
-  const int64_t width = out.element_size() * s.kp;
-  for (int64_t i = 0; i < s.m; ++i) {
-    char* dst = static_cast<char*>(out.data_ptr()) + i * width;
-    if (x.scalar_type() == at::kFloat) lay_out_row(x.data_ptr<float>() + i * s.k, s.k, s.kp, path, dst);
-    else lay_out_row(x.data_ptr<bf16>() + i * s.k, s.k, s.kp, path, dst);
-  }
+  const auto options = x.options().dtype(bf16_rows ? at::kBFloat16 : at::kFloat);
+  at::Tensor out = rows > s.m ? at::zeros({rows, s.kp}, options) : at::empty({rows, s.kp}, options);
+  const int64_t size = out.element_size();
+  at::parallel_for(0, s.m, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t tile = i / kBf16Rows * kBf16Rows, r = std::min(kBf16Rows, s.m - tile);
+      const int64_t at = tiled ? tile * s.kp + (i - tile) * kBlock : i * s.kp;  // elements
+      const int64_t step = r * kBlock;  // tiled: from one block of the row to its next
+      char* dst = static_cast<char*>(out.data_ptr()) + at * size;
+      if (x.scalar_type() == at::kFloat) lay_out_row(x.data_ptr<float>() + i * s.k, s.k, s.kp, path, step, dst);
+      else lay_out_row(x.data_ptr<bf16>() + i * s.k, s.k, s.kp, path, step, dst);
+    }
+  });
   return out;
 }
 
@@ -107,26 +114,47 @@ std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n) {
   return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + n);
 }
 
-// Bias (fp32, after the sum), then the output rounding, for columns [c0, c1). Under FTZ | DAZ too.
-void epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t m,
-              int64_t c0, int64_t c1) {
-  const int64_t n = out.size(1);
-  for (int64_t i = 0; i < m; ++i) {
+// Bias (fp32, after the sum), then the output rounding, for rows [r0, r0 + rows) and columns
+// [c0, c1) of out; acc holds those rows from its row 0 and those columns from its column 0. Under FTZ | DAZ too.
+void epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
+              int64_t rows, int64_t c0, int64_t c1) {
+  const int64_t n = out.size(1), w = c1 - c0;
+  const float* b = bias.empty() ? nullptr : bias.data() + c0;
+  for (int64_t i = 0; i < rows; ++i) {
     const float* a = acc + i * ldacc;
     if (out.scalar_type() == at::kFloat) {
-      float* o = out.data_ptr<float>() + i * n;
-      for (int64_t j = c0; j < c1; ++j) o[j] = bias.empty() ? a[j] : a[j] + bias[j];
+      float* o = out.data_ptr<float>() + (r0 + i) * n + c0;
+      for (int64_t j = 0; j < w; ++j) o[j] = b ? a[j] + b[j] : a[j];
       continue;
     }
-    bf16* o = out.data_ptr<bf16>() + i * n;
-    int64_t j = c0;
-    for (; j + 8 <= c1; j += 8) {
+    bf16* o = out.data_ptr<bf16>() + (r0 + i) * n + c0;
+    int64_t j = 0;
+    for (; j + 8 <= w; j += 8) {
       __m256 v = _mm256_loadu_ps(a + j);
-      if (!bias.empty()) v = _mm256_add_ps(v, _mm256_loadu_ps(&bias[j]));
+      if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + j));
       store8(o + j, v);
     }
-    for (; j < c1; ++j) o[j] = static_cast<bf16>(bias.empty() ? a[j] : a[j] + bias[j]);
+    for (; j < w; ++j) o[j] = static_cast<bf16>(b ? a[j] + b[j] : a[j]);
   }
+}
+
+// The threads' split: jobs of `rows` rows x `panels` panels, each a block of output elements (never
+// a range of k, so no split changes a bit). A job's x rows stay in L2 while its panels stream past;
+// its accumulator (rows x panels x 16 fp32) stays in L2 too.
+struct Split {
+  int64_t rows, panels, row_jobs, panel_jobs;
+};
+
+constexpr int64_t kRowBlock = 192;  // a multiple of every path's row tile (AMX: 16 and 32, FMA: 4, BF16: kBf16Rows)
+
+Split split_for(const Shape& s, int64_t threads) {
+  const int64_t row_jobs = (s.m + kRowBlock - 1) / kRowBlock;
+  const int64_t rows = row_jobs == 1 ? s.m : round_up((s.m + row_jobs - 1) / row_jobs, 16);
+  const int64_t least = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, rows * s.kp) / kPanel);
+  const int64_t most = std::max<int64_t>(2, (int64_t(1) << 16) / (round_up(rows, 16) * kPanel));
+  const int64_t even = (s.panels * row_jobs + 4 * threads - 1) / (4 * threads);  // ~4 jobs a thread
+  const int64_t panels = round_up(std::min(std::max(even, least), most), 2);
+  return {rows, panels, row_jobs, (s.panels + panels - 1) / panels};
 }
 
 }  // namespace
@@ -140,21 +168,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   if (fp32_out && path > Path::kAvx512) path = cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2;
   const bool bf16_rows = reads_bf16(path);
   const at::Tensor xl = lay_out(x, s, path);
-  const int64_t ldacc = s.panels * kPanel;
-  at::Tensor acc = at::empty({xl.size(0), ldacc}, x.options().dtype(at::kFloat));
   at::Tensor out = at::empty({s.m, n}, x.options());
-  const LinearTask base{bf16_rows ? nullptr : xl.data_ptr<float>(), bf16_rows ? u16(xl) : nullptr, s.m, s.kp,
-                        u16(packed), 0, 0, acc.data_ptr<float>(), ldacc};
-  // Grain: enough panels that a task is worth a thread, whatever m is.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, s.m * s.kp) / kPanel);
-  at::parallel_for(0, s.panels, grain, [&](int64_t p0, int64_t p1) {
+  const Split sp = split_for(s, at::get_num_threads());
+  const char* x0 = static_cast<const char*>(xl.data_ptr());
+  const int64_t x_row = xl.element_size() * s.kp;
+  at::parallel_for(0, sp.row_jobs * sp.panel_jobs, 1, [&](int64_t j0, int64_t j1) {
     FlushDenormals ftz;
-    for (int64_t i = 0; i < acc.size(0); ++i)
-      std::memset(acc.data_ptr<float>() + i * ldacc + p0 * kPanel, 0, (p1 - p0) * kPanel * sizeof(float));
-    LinearTask t = base;
-    t.p0 = p0, t.p1 = p1;
-    run_path(path, t);
-    epilogue(acc.data_ptr<float>(), ldacc, b, out, s.m, p0 * kPanel, std::min(p1 * kPanel, n));
+    static thread_local std::vector<float> acc;
+    for (int64_t job = j0; job < j1; ++job) {
+      const int64_t r0 = job / sp.panel_jobs * sp.rows, rows = std::min(sp.rows, s.m - r0);
+      const int64_t p0 = job % sp.panel_jobs * sp.panels, p1 = std::min(s.panels, p0 + sp.panels);
+      const int64_t ldacc = (p1 - p0) * kPanel, acc_rows = path == Path::kAmx ? round_up(rows, 16) : rows;
+      acc.assign(acc_rows * ldacc, 0.0f);
+      const char* xr = x0 + r0 * x_row;
+      const LinearTask t{bf16_rows ? nullptr : reinterpret_cast<const float*>(xr),
+                         bf16_rows ? reinterpret_cast<const uint16_t*>(xr) : nullptr, rows, s.kp, u16(packed), p0, p1,
+                         acc.data(), ldacc};
+      run_path(path, t);
+      epilogue(acc.data(), ldacc, b, out, r0, rows, p0 * kPanel, std::min(p1 * kPanel, n));
+    }
   });
   return out;
 }
@@ -188,7 +220,7 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64
       }
       acc.data_ptr<float>()[i * n + j] = a;
     }
-  epilogue(acc.data_ptr<float>(), n, b, out, s.m, 0, n);
+  epilogue(acc.data_ptr<float>(), n, b, out, 0, s.m, 0, n);
   return out;
 }
 

@@ -51,7 +51,7 @@ void amx_block(const LinearTask& t, int64_t r, int64_t p) {
       if constexpr (PT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  float* acc = t.acc + r * t.ldacc + p * kPanel;
+  float* acc = t.acc + r * t.ldacc + (p - t.p0) * kPanel;
   const int64_t ldc = t.ldacc * 4, down = 16 * t.ldacc;
   _tile_stored(0, acc, ldc);
   if constexpr (PT == 2) _tile_stored(1, acc + kPanel, ldc);

@@ -62,13 +62,13 @@ void fma_rows(const LinearTask& t, int64_t c) {
     const int64_t col = c + j * V::kLanes;
     w[j] = t.w + (col / kPanel) * t.kp * kPanel + (col % kPanel) * 2;
   }
-  const int64_t blocks = t.kp / kBlock;
+  const int64_t blocks = t.kp / kBlock, a = c - t.p0 * kPanel;  // a: the columns' place in acc
   for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
     const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
     int64_t i = 0;
     for (; i + MR <= t.m; i += MR)
-      fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
-    if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, c, t.m - i, b0, b1);
+      fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + a, t.ldacc, b0, b1);
+    if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, a, t.m - i, b0, b1);
   }
 }
 
