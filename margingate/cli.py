@@ -5,13 +5,13 @@ import argparse
 import sys
 
 from . import generate, scoring
-from .analysis import bench, calibrate, check, demo, flips, score_bench, spec_bench
+from .analysis import bench, calibrate, check, demo, flips, score_bench, selftest, spec_bench
 from .data.prompts import PromptFileError
 from .kernels.invariant import KernelBuildError
 from .server import cli as serve
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
-COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench, spec_bench)
+COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench, spec_bench, selftest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        status = args.func(args)
     except (PromptFileError, ValueError, FileNotFoundError, KernelBuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -24,10 +24,12 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "device": str(llm.model.device), "torch": torch.__version__,
             "num_threads": llm.engine.num_threads if num_threads is None else num_threads,
             "default_tau": llm.default_tau, "tau_source": "profile" if llm.profile else "built-in default",
-            "machine": platform.machine(), "cpu": _cpu_info("model name") or platform.processor() or "unknown",
-            "cpu_isa": [f for f in ISA_FLAGS if f in (_cpu_info("flags") or "").split()],
+            "machine": platform.machine(), "cpu": cpu_info("model name") or platform.processor() or "unknown",
+            "cpu_isa": [f for f in ISA_FLAGS if f in (cpu_info("flags") or "").split()],
             "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION, "kernels": llm.model.kernels,
             "kernels_linear_path": invariant.linear_path() if llm.model.kernels == "compiled" else "triton",
+            # paths this CPU has that failed their load-time proof (csrc/linear_proof.cpp): {path: why}
+            "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
             "python": platform.python_version(), "packages": package_versions()}
 
 
@@ -54,7 +56,7 @@ def _package_versions() -> tuple[tuple[str, str], ...]:
 
 
 @functools.cache
-def _cpu_info(key: str) -> str | None:
+def cpu_info(key: str) -> str | None:
     """A field of /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -31,6 +31,9 @@ def test_models_and_health(client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = http.get("/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
+    from margingate.kernels import invariant
+    # the linear path in use and the refused ones (none here: tests/test_linear_proof.py makes one refuse)
+    assert h.json()["linear_path"] == invariant.linear_path() and h.json()["linear_refused"] == {}
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert http.get("/v1/models/nope").status_code == 404
 

@@ -28,7 +28,8 @@ def machine_line(env: dict) -> str:
     """What the numbers ran on, in one line: CPU and ISA, threads, torch, kernel version and path."""
     return (f"{env.get('cpu', '?')} ({', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), "
             f"{env.get('num_threads')} threads, torch {env.get('torch')}, kernels v{env.get('kernels_version')} "
-            f"(bf16 linear: {env.get('kernels_linear_path')})")
+            f"(bf16 linear: {env.get('kernels_linear_path')}"
+            + "".join(f"; {p} REFUSED at load" for p in env.get("kernels_linear_refused") or {}) + ")")
 
 
 def write_report(report: dict, out: Path, markdown: Callable[[dict], str],

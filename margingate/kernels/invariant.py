@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import isa_units
 from .packing import PackedWeight
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -58,9 +59,10 @@ def ops():
                                "(install g++ from your distribution and `pip install ninja`)")
     from torch.utils.cpp_extension import load
 
+    sources, defines = isa_units.sources_and_defines(_CSRC, units_built())
     try:
-        mod = load(name="margingate_invariant", sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
-                   extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS,
+        mod = load(name="margingate_invariant", sources=sources,
+                   extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS + defines,
                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
     except Exception as exc:  # compiler errors, missing headers
         raise KernelBuildError(f"building margingate's invariant kernels failed: {exc}") from exc
@@ -72,14 +74,40 @@ def ops():
     return mod
 
 
+@functools.cache
+def units_built() -> dict[str, bool]:
+    """{ISA path: whether this machine's compiler builds its unit} (isa_units; cached per compiler)."""
+    try:
+        return isa_units.buildable(_CSRC, _CFLAGS, build_dir() / "isa_units.json", os.environ.get("CXX", "c++"))
+    except RuntimeError as exc:
+        raise KernelBuildError(f"cannot build margingate's invariant kernels: {exc}") from exc
+
+
 def use_path(name: str, mod=None) -> None:
-    """Run the linear on path `name` (one of ISA_PATHS) from now on; IsaError if this CPU cannot."""
+    """Run the linear on path `name` (one of ISA_PATHS) from now on; IsaError naming why if it cannot:
+    no such path, this CPU lacks it, the compiler could not build it, or it failed its load-time proof."""
     mod = mod or ops()
-    if name not in mod.linear_paths():
-        raise IsaError(f"{FORCE_ISA}={name}: the linear path {name!r} "
-                       f"{'cannot run on this CPU' if name in ISA_PATHS else 'does not exist'}; "
+    status = {p["path"]: p for p in linear_proofs(mod)}.get(name)
+    if status is None or status["status"] != "passed":
+        why = ("does not exist" if status is None else
+               "cannot run on this CPU" if status["status"] == "cpu lacks it" else
+               "is not built: the compiler lacks its target" if status["status"] == "not built" else
+               f"was refused at load: its proof differs from the contract's order ({status['detail']})")
+        raise IsaError(f"{FORCE_ISA}={name}: the linear path {name!r} {why}; "
                        f"this CPU runs {', '.join(mod.linear_paths())} (paths: {', '.join(ISA_PATHS)})")
     mod.set_linear_path(name)
+
+
+def linear_proofs(mod=None) -> list[dict]:
+    """Every linear path, fastest first: {path, status, detail}, status one of "passed", "refused" (detail:
+    the first output that differed from the contract's order), "not built", "cpu lacks it". The paths the
+    CPU runs are proven on first asking (a few ms each)."""
+    return [{"path": p, "status": st, "detail": d} for p, st, d in (mod or ops()).linear_proofs()]
+
+
+def refused_paths() -> dict[str, str]:
+    """{path: why} for the paths this CPU runs that failed their load-time proof (reports, /health)."""
+    return {p["path"]: p["detail"] for p in linear_proofs() if p["status"] == "refused"}
 
 
 def linear_path() -> str:
@@ -88,7 +116,7 @@ def linear_path() -> str:
 
 
 def linear_paths() -> list[str]:
-    """The paths this CPU can run, fastest first."""
+    """The paths that are built, that this CPU runs and that passed their load-time proof, fastest first."""
     return list(ops().linear_paths())
 
 

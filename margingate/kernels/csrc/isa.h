@@ -25,6 +25,9 @@ struct LinearTask {
   int64_t ldacc;
 };
 
+enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx };  // the linear's paths, slowest to fastest
+inline bool reads_bf16(Path p) { return p == Path::kAmx || p == Path::kAvx512Bf16; }  // else fp32 rows
+
 void linear_avx2(const LinearTask& t);    // linear_avx2.cpp
 void linear_avx512(const LinearTask& t);  // linear_avx512.cpp
 void linear_avx512bf16(const LinearTask& t);  // linear_avx512bf16.cpp (bf16 x only, xb regrouped)

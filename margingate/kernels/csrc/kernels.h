@@ -4,11 +4,13 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "contract.h"
+#include "isa.h"
 
 namespace mg {
 
@@ -20,9 +22,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                   bool fp32_out);
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                             const c10::optional<at::Tensor>& bias, bool fp32_out);
-std::vector<std::string> linear_paths();  // the paths this CPU can run, fastest first
-std::string linear_path();                // the one in use
+at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                     const c10::optional<at::Tensor>& bias, bool fp32_out);  // on this path, unproven
+
+// linear_paths.cpp: the path chosen (built, on this CPU, proven at load) and the report of each
+std::string path_name(Path p);
+Path linear_path_for(bool fp32_x);
+void run_path(Path p, const LinearTask& t);
+std::vector<std::string> linear_paths();  // the paths this CPU can run and that passed their proof, fastest first
+std::string linear_path();                // the one in use for bf16 x
 void set_linear_path(const std::string& name);
+std::vector<std::vector<std::string>> linear_proofs();  // every path: name, status, detail
+
+// linear_proof.cpp: "" when `run` gives the reference's bits on the fixed cases, else the first difference
+using LinearRun = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                           const c10::optional<at::Tensor>& bias)>;
+std::string prove_linear(const std::string& path, const LinearRun& run, bool fp32_x);
 
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

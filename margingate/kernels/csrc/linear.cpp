@@ -1,5 +1,6 @@
-// The linear: checks, the path chosen at load, the activations laid out for it, the threads'
-// split (output panels, never k) and the epilogue (bias, rounding). The order: contract.h, 1.
+// The linear: checks, the activations laid out for the path (linear_paths.cpp picks it), the
+// threads' split (blocks of output elements, never k) and the epilogue (bias, rounding). The
+// order: contract.h, 1.
 #include <ATen/Parallel.h>
 
 #include "isa.h"
@@ -7,41 +8,6 @@
 
 namespace mg {
 namespace {
-
-enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx };  // slowest to fastest
-const char* const kPathNames[] = {"avx2", "avx512", "avx512bf16", "amx"};
-constexpr Path kFastestFirst[] = {Path::kAmx, Path::kAvx512Bf16, Path::kAvx512, Path::kAvx2};
-
-bool cpu_has(Path p) {
-  switch (p) {
-    case Path::kAmx: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                            __builtin_cpu_supports("avx512f") && amx_granted();
-    case Path::kAvx512Bf16: return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
-    case Path::kAvx512: return __builtin_cpu_supports("avx512f");
-    default: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }
-}
-
-Path best_path() {
-  for (Path p : kFastestFirst) if (cpu_has(p)) return p;
-  return Path::kAvx2;
-}
-
-bool reads_bf16(Path p) { return p == Path::kAmx || p == Path::kAvx512Bf16; }  // else fp32 rows
-
-Path& current() {  // resolved on first use, when the CPU's feature bits are certain to be read
-  static Path path = best_path();
-  return path;
-}
-
-void run_path(Path p, const LinearTask& t) {
-  switch (p) {
-    case Path::kAmx: linear_amx(t); break;
-    case Path::kAvx512Bf16: linear_avx512bf16(t); break;
-    case Path::kAvx512: linear_avx512(t); break;
-    default: linear_avx2(t); break;
-  }
-}
 
 struct Shape {
   int64_t m, k, kp, n, panels;
@@ -161,18 +127,23 @@ Split split_for(const Shape& s, int64_t threads) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool fp32_out) {
+  return linear_on(linear_path_for(fp32_out), x, packed, n, bias, fp32_out);
+}
+
+at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                     const c10::optional<at::Tensor>& bias, bool fp32_out) {
   const Shape s = check_linear(x, packed, n, fp32_out);
+  TORCH_CHECK(!(fp32_out && reads_bf16(path)), "linear: the ", path_name(path), " path takes bf16 x only");
   const std::vector<float> b = bias_fp32(bias, n);
-  // AMX and AVX512-BF16 take bf16 x only; fp32 x takes the best FMA path (the same order).
-  Path path = current();
-  if (fp32_out && path > Path::kAvx512) path = cpu_has(Path::kAvx512) ? Path::kAvx512 : Path::kAvx2;
   const bool bf16_rows = reads_bf16(path);
   const at::Tensor xl = lay_out(x, s, path);
   at::Tensor out = at::empty({s.m, n}, x.options());
   const Split sp = split_for(s, at::get_num_threads());
   const char* x0 = static_cast<const char*>(xl.data_ptr());
   const int64_t x_row = xl.element_size() * s.kp;
-  at::parallel_for(0, sp.row_jobs * sp.panel_jobs, 1, [&](int64_t j0, int64_t j1) {
+  const int64_t jobs = sp.row_jobs * sp.panel_jobs;
+  const bool small = s.m * s.kp * s.panels * kPanel < (int64_t(1) << 18);  // less than a fork and join costs
+  at::parallel_for(0, jobs, small ? jobs : 1, [&](int64_t j0, int64_t j1) {
     FlushDenormals ftz;
     static thread_local std::vector<float> acc;
     for (int64_t job = j0; job < j1; ++job) {
@@ -222,27 +193,6 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64
     }
   epilogue(acc.data_ptr<float>(), n, b, out, 0, s.m, 0, n);
   return out;
-}
-
-std::vector<std::string> linear_paths() {
-  std::vector<std::string> out;
-  for (Path p : kFastestFirst)
-    if (cpu_has(p)) out.emplace_back(kPathNames[int(p)]);
-  return out;
-}
-
-std::string linear_path() { return kPathNames[int(current())]; }
-
-// For audits (MARGINGATE_FORCE_ISA) and tests; a path this CPU cannot run is an error.
-void set_linear_path(const std::string& name) {
-  for (Path p : kFastestFirst) {
-    if (name != kPathNames[int(p)]) continue;
-    TORCH_CHECK(cpu_has(p), "the linear path '", name, "' cannot run on this CPU (it runs: ",
-                c10::Join(", ", linear_paths()), ")");
-    current() = p;
-    return;
-  }
-  TORCH_CHECK(false, "unknown linear path '", name, "': amx, avx512bf16, avx512 or avx2");
 }
 
 }  // namespace mg

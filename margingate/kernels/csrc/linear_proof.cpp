@@ -1,0 +1,106 @@
+// The load-time proof of a linear path. Before a path serves its first call in a process, it
+// computes a fixed set of small products and must give the scalar reference's bits (contract.h, 1;
+// linear_reference) on every one, or it is refused. The cases cover the tile edges in M (the 4-row
+// tiles, AMX's 16 and 32), N (16-column panels, 2-panel tiles) and K (32-k blocks, padding, more
+// than one k slice), both regroupings of the weights (one row tile, several), zeros of both signs,
+// bf16 denormals, denormal products and results, and exponents far from 1. A few ms in all.
+#include <cstdlib>
+#include <sstream>
+
+#include "kernels.h"
+
+namespace mg {
+namespace {
+
+struct Case {
+  int64_t m, n, k;
+  int spread;  // exponents in [-spread, spread] around 1
+};
+
+constexpr Case kCases[] = {{1, 16, 32, 8},    {3, 17, 33, 8},     {4, 31, 64, 60},  {5, 48, 96, 8},
+                           {16, 33, 70, 60},  {17, 48, 300, 8},   {33, 24, 288, 60}, {70, 20, 40, 8},
+                           {6, 50, 260, 30},  {200, 16, 40, 8}};  // m > 192: two row jobs
+
+struct Rng {  // xorshift64: the same cases on every machine
+  uint64_t s;
+  uint32_t next() {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    return uint32_t(s >> 32);
+  }
+};
+
+// A bf16 bit pattern: +0, -0, a denormal of either sign, or a normal value of random sign and
+// mantissa with an exponent within `spread` of 1's.
+uint16_t bf16_bits(Rng& r, int spread) {
+  const uint32_t u = r.next();
+  switch (u % 16) {
+    case 0: return 0x0000;
+    case 1: return 0x8000;
+    case 2: return uint16_t(((u >> 8) & 0x807f) | 1);
+    default: {
+      const uint32_t e = 127 + (u >> 4) % (2 * spread + 1) - spread;
+      return uint16_t(((u >> 31) << 15) | (e << 7) | ((u >> 16) & 0x7f));
+    }
+  }
+}
+
+// x [m, k]: bf16 values, or fp32 ones that are not bf16 (16 more mantissa bits; fp32 denormals).
+at::Tensor make_x(Rng& r, const Case& c, bool fp32) {
+  at::Tensor x = at::empty({c.m, c.k}, at::dtype(fp32 ? at::kFloat : at::kBFloat16));
+  for (int64_t i = 0; i < c.m * c.k; ++i) {
+    const uint16_t hi = bf16_bits(r, c.spread);
+    if (fp32) reinterpret_cast<uint32_t*>(x.data_ptr())[i] = (uint32_t(hi) << 16) | (r.next() & 0xffff);
+    else reinterpret_cast<uint16_t*>(x.data_ptr())[i] = hi;
+  }
+  return x;
+}
+
+// A packed weight [panels, kp / 2, 16, 2], zero where a real packing pads (columns >= n, k >= k).
+at::Tensor make_packed(Rng& r, const Case& c) {
+  const int64_t panels = (c.n + kPanel - 1) / kPanel, kp = round_up(c.k, kBlock);
+  at::Tensor w = at::zeros({panels, kp / 2, kPanel, 2}, at::dtype(at::kBFloat16));
+  uint16_t* d = reinterpret_cast<uint16_t*>(w.data_ptr());
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t q = 0; q < kp / 2; ++q)
+      for (int64_t l = 0; l < kPanel; ++l)
+        for (int64_t e = 0; e < 2; ++e)
+          if (p * kPanel + l < c.n && 2 * q + e < c.k) d[((p * kp / 2 + q) * kPanel + l) * 2 + e] = bf16_bits(r, c.spread);
+  return w;
+}
+
+// "" when got and want hold the same bits, else where they first differ.
+std::string compare(const at::Tensor& got, const at::Tensor& want, const Case& c, bool fp32) {
+  const at::Tensor g = got.view(fp32 ? at::kInt : at::kShort), w = want.view(fp32 ? at::kInt : at::kShort);
+  const at::Tensor diff = g.ne(w).nonzero();
+  if (diff.size(0) == 0) return "";
+  const int64_t i = diff[0][0].item<int64_t>(), j = diff[0][1].item<int64_t>(), mask = fp32 ? 0xffffffff : 0xffff;
+  std::ostringstream out;
+  out << (fp32 ? "fp32" : "bf16") << " x, m=" << c.m << " n=" << c.n << " k=" << c.k << ": " << diff.size(0)
+      << " outputs differ, first [" << i << ", " << j << "]: bits 0x" << std::hex << (g[i][j].item<int64_t>() & mask)
+      << " instead of 0x" << (w[i][j].item<int64_t>() & mask);
+  return out.str();
+}
+
+}  // namespace
+
+// MARGINGATE_PROOF_FAULT=<path> flips one output bit of that path inside its proof: how the tests
+// make a path fail (a refused path must warn, step aside, and be named), never used otherwise.
+std::string prove_linear(const std::string& path, const LinearRun& run, bool fp32_x) {
+  const char* fault = std::getenv("MARGINGATE_PROOF_FAULT");
+  Rng r{0x9E3779B97F4A7C15ull};
+  for (const Case& c : kCases)
+    for (int fp32 = 0; fp32 <= int(fp32_x); ++fp32) {
+      const at::Tensor x = make_x(r, c, fp32), w = make_packed(r, c);
+      at::Tensor bias = at::empty({c.n}, at::dtype(at::kFloat));
+      for (int64_t j = 0; j < c.n; ++j) bias.data_ptr<float>()[j] = float(int(r.next() % 9) - 4) * 0.25f;
+      for (const c10::optional<at::Tensor>& b : {c10::optional<at::Tensor>(), c10::optional<at::Tensor>(bias)}) {
+        at::Tensor got = run(x, w, c.n, b);
+        if (fault && path == fault) got.view(fp32 ? at::kInt : at::kShort)[0][0].bitwise_xor_(1);
+        const std::string why = compare(got, linear_reference(x, w, c.n, b, fp32), c, fp32);
+        if (!why.empty()) return why;
+      }
+    }
+  return "";
+}
+
+}  // namespace mg

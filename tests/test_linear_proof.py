@@ -1,0 +1,110 @@
+"""Each linear path is proven at load (csrc/linear_proof.cpp), and a path that fails is refused.
+
+Every path computes the contract's order (csrc/contract.h, 1); a path that no one could run here
+(AMX on this machine, say) must still never change a bit silently. So before a path serves its first
+call in a process it computes a fixed set of small products and must equal the scalar reference bit
+for bit. These tests make a path fail (MARGINGATE_PROOF_FAULT flips one output bit inside its proof)
+and check what a user sees: a warning naming it, the next path in use with the same tokens, the
+refusal in the report, `selftest`'s exit status, and an error when the refused path is forced.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from margingate.analysis import selftest
+from margingate.data.prompts import builtin_prompts
+from margingate.kernels import invariant as K
+from margingate.kernels import isa_units
+
+
+def test_every_path_this_cpu_runs_passes_its_proof():
+    """Each path this CPU has and the compiler built is proven and passes; the others say why not."""
+    proofs = {p["path"]: p for p in K.linear_proofs()}
+    assert list(proofs) == list(K.ISA_PATHS)
+    for path, p in proofs.items():
+        if path in K.linear_paths():
+            assert p["status"] == "passed" and p["detail"] == "", p
+        else:
+            assert p["status"] in ("cpu lacks it", "not built"), p
+    assert K.linear_path() == K.linear_paths()[0] and K.refused_paths() == {}
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+REPORT = """
+import json
+from margingate.llm import LLM
+from margingate.data.prompts import builtin_prompts
+llm = LLM(max_batch_size=2)
+out = llm.generate([builtin_prompts()[0], builtin_prompts()[20]], max_new_tokens=24, policy=llm.policy("reference"))
+env = llm.environment()
+print(json.dumps({"path": env["kernels_linear_path"], "refused": env["kernels_linear_refused"],
+                  "tokens": [c.token_ids for c in out]}))
+"""
+
+
+def test_a_path_that_fails_its_proof_is_refused_named_and_skipped(llm):
+    """The fastest path fails its proof: a warning names it, the next path runs the same tokens,
+    and the environment record (every report, /health) names the refusal and why."""
+    fastest, *rest = K.linear_paths()
+    if not rest:
+        pytest.skip("this CPU runs one linear path only: none to fall back to")
+    done = _run(REPORT, MARGINGATE_PROOF_FAULT=fastest)
+    assert done.returncode == 0, done.stderr
+    assert f"the linear path '{fastest}' was refused" in done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["path"] == rest[0] and list(got["refused"]) == [fastest]
+    assert "outputs differ" in got["refused"][fastest]
+    prompts = [builtin_prompts()[0], builtin_prompts()[20]]
+    here = llm.generate(prompts, max_new_tokens=24, policy=llm.policy("reference"))
+    assert K.linear_path() == fastest
+    assert got["tokens"] == [c.token_ids for c in here]  # the next path: the same order, the same tokens
+
+
+def test_forcing_a_refused_path_is_an_error_that_says_why():
+    done = _run("from margingate.kernels import invariant as K; K.ops()", MARGINGATE_PROOF_FAULT="avx2",
+                MARGINGATE_FORCE_ISA="avx2")
+    assert done.returncode != 0
+    assert "the linear path 'avx2' was refused at load" in done.stderr and "outputs differ" in done.stderr
+
+
+def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
+    """`margingate selftest`: the CPU, each path's proof and the one in use, the reference digest (the
+    one this process computes); exit status 1 when a path this CPU has was refused."""
+    cli = [sys.executable, "-m", "margingate.cli", "selftest", "--json"]
+    bad = subprocess.run(cli, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "MARGINGATE_PROOF_FAULT": "avx2"})
+    assert bad.returncode == 1, bad.stderr
+    report = json.loads(bad.stdout)
+    assert {p["path"]: p["status"] for p in report["linear"]["paths"]}["avx2"] == "refused"
+    assert report["linear"]["in_use"] == K.linear_path()
+    assert report["reference"]["digest"] == selftest.reference_digest(llm)["digest"]
+
+
+def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
+    """A compiler without a target (GCC < 11 has no AMX intrinsics) leaves that unit out and reports
+    the path "not built"; the other units and the dispatcher still compile (no MG_BUILT_* macros)."""
+    cxx = tmp_path / "cxx"  # a compiler that cannot build the AMX unit
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *linear_amx.cpp) exit 1;; esac; done\nexec c++ "$@"\n')
+    cxx.chmod(0o755)
+    csrc = Path(K.__file__).parent / "csrc"
+    built = isa_units.buildable(csrc, ["-mavx2", "-mfma"], tmp_path / "units.json", str(cxx))
+    assert built == {"amx": False, "avx512bf16": True, "avx512": True}
+    sources, defines = isa_units.sources_and_defines(csrc, built)
+    assert not any(s.endswith("linear_amx.cpp") for s in sources) and "-DMG_BUILT_AMX=1" not in defines
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+    flags = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], csrc]]
+    flags += ["-std=c++17", "-mavx2", "-mfma", "-fsyntax-only"]
+    done = subprocess.run(["c++", *flags, str(csrc / "linear_paths.cpp")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
