@@ -5,13 +5,14 @@ import argparse
 import sys
 
 from . import generate, scoring
-from .analysis import bench, calibrate, check, demo, flips, score_bench, selftest, spec_bench
+from .analysis import bench, calibrate, check, demo, flips, linear_bench, score_bench, selftest, spec_bench
 from .data.prompts import PromptFileError
 from .kernels.invariant import KernelBuildError
 from .server import cli as serve
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
-COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench, spec_bench, selftest)
+COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, scoring, score_bench, spec_bench, linear_bench,
+            selftest)
 
 
 def build_parser() -> argparse.ArgumentParser:
