@@ -53,34 +53,34 @@ void fma_tail_rows(const LinearTask& t, const uint16_t* const* w, int64_t i, int
   }
 }
 
-// Columns [c, c + NR * kLanes) for every row, MR rows at a time; a slice of kSliceBlocks blocks
-// stays in L1 while the row tiles pass (blocks still reach acc in ascending order: same bits).
+// Columns [c, c + NR * kLanes) of blocks [b0, b1) for every row, MR rows at a time: the slice of
+// W's columns stays in L1 while the row tiles pass.
 template <class V, int MR, int NR>
-void fma_rows(const LinearTask& t, int64_t c) {
+void fma_slice(const LinearTask& t, int64_t c, int64_t b0, int64_t b1) {
   const uint16_t* w[NR];
   for (int j = 0; j < NR; ++j) {  // where column c + j * kLanes sits in its panel
     const int64_t col = c + j * V::kLanes;
     w[j] = t.w + (col / kPanel) * t.kp * kPanel + (col % kPanel) * 2;
   }
-  const int64_t blocks = t.kp / kBlock, a = c - t.p0 * kPanel;  // a: the columns' place in acc
-  for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
-    const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
-    int64_t i = 0;
-    for (; i + MR <= t.m; i += MR)
-      fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + a, t.ldacc, b0, b1);
-    if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, a, t.m - i, b0, b1);
-  }
+  const int64_t a = c - t.p0 * kPanel;  // the columns' place in acc
+  int64_t i = 0;
+  for (; i + MR <= t.m; i += MR) fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + a, t.ldacc, b0, b1);
+  if (i < t.m) fma_tail_rows<V, MR - 1, NR>(t, w, i, a, t.m - i, b0, b1);
 }
 
-// The task's panels, NR column vectors at a time (a block of W's columns stays in cache while
-// the row tiles pass), then single vectors.
+// One k slice at a time for every column and row (the task's x rows of a slice stay in L2 while
+// the columns pass), NR column vectors at a time, then single vectors. Blocks still reach each
+// acc element in ascending order: no blocking choice changes a bit.
 // The caller (linear.cpp) sets FTZ | DAZ: this code must see the contract's flushing.
 template <class V, int MR, int NR>
 void fma_linear(const LinearTask& t) {
-  const int64_t c1 = t.p1 * kPanel;
-  int64_t c = t.p0 * kPanel;
-  for (; c + NR * V::kLanes <= c1; c += NR * V::kLanes) fma_rows<V, MR, NR>(t, c);
-  for (; c < c1; c += V::kLanes) fma_rows<V, MR, 1>(t, c);
+  const int64_t c1 = t.p1 * kPanel, blocks = t.kp / kBlock;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
+    const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
+    int64_t c = t.p0 * kPanel;
+    for (; c + NR * V::kLanes <= c1; c += NR * V::kLanes) fma_slice<V, MR, NR>(t, c, b0, b1);
+    for (; c < c1; c += V::kLanes) fma_slice<V, MR, 1>(t, c, b0, b1);
+  }
 }
 
 }  // namespace
