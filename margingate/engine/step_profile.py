@@ -26,11 +26,16 @@ class StepProfile:
     _t: float = 0.0
     _nn: float = 0.0
     _nt: float = 0.0
+    _last: int | None = None  # the row count of the last step observed
+    #: a proposal must save this much more than its row costs: the fit is an estimate, and a
+    #: proposal that only breaks even on paper loses to the fit's error and the bookkeeping
+    margin: float = 1.2
 
     def observe(self, rows: int, seconds: float) -> None:
         d = self.decay
         self._w, self._n, self._t = d * self._w + 1, d * self._n + rows, d * self._t + seconds
         self._nn, self._nt = d * self._nn + rows * rows, d * self._nt + rows * seconds
+        self._last = rows
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_row) in seconds, or None while the steps seen do not tell them apart (every
@@ -44,15 +49,17 @@ class StepProfile:
 
     def worth(self, rate: float, rows: int, k: int, propose_seconds: float = 0.0) -> int:
         """How many of up to k proposals pay for a request accepted at `rate`, in a forward that
-        already has `rows` rows; k itself until the fit exists (speculating is how rows vary)."""
+        already has `rows` rows. Until the fit exists it explores at the cost of one row: one
+        proposal when this step would otherwise repeat the last step's row count, so the next
+        observation differs (feeding every proposal to find out cost up to 9x a step at B = 16)."""
         fit = self.fit()
         if fit is None:
-            return k
+            return min(k, 1) if rows == self._last or self._last is None else 0
         fixed, per_row = fit
         kept = 0
         for j in range(1, k + 1):  # the j-th proposal: its row joins the forward
             n = rows + j
-            if rate ** j * (fixed / n + per_row) <= per_row + propose_seconds:
+            if rate ** j * (fixed / n + per_row) <= self.margin * (per_row + propose_seconds):
                 break
             kept = j
         return kept
