@@ -104,11 +104,14 @@ class Bench:
                 "protected_requests": figures["runs"], **{k: figures[k] for k in GATE_FIGURES}}
 
     def compare(self, variants: list[str], w: Workload, repeats: int, warmup: int,
-                external: dict[str, list[dict]] | None = None) -> dict:
+                external: dict[str, list[dict]] | None = None, decode_only: bool = False) -> dict:
         """Warm every variant up on one batch, then run each `repeats` times, interleaved.
-        `external`: runs measured out of process (the vLLM peer), summarised alongside."""
+        `external`: runs measured out of process (the vLLM peer), summarised alongside.
+        `decode_only`: each repetition also runs the workload with one new token (prefill and the
+        first token), so decode alone is the difference (`summarise`)."""
         variants = variants + list(self.peers)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
+        first = Workload(w.prompt_ids, 1, w.batch_size, w.protected)
         for ids in tqdm(w.prompt_ids, desc="reference (alone)", disable=not self.progress, leave=False):
             self.reference(ids, w.max_new_tokens)
         # one batch of prompts is enough to warm kernels and allocators; the full workload is not needed
@@ -119,6 +122,8 @@ class Bench:
             for v in variants:
                 out = self.run_once(v, head if rep < warmup else w)
                 if rep >= warmup:
+                    if decode_only:
+                        out["first_token_seconds"] = self.run_once(v, first)["seconds"]
                     runs[v].append(out)
                 bar.update()
         bar.close()
@@ -135,6 +140,10 @@ def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
                   "tokens_per_s": last["tokens"] / med,
                   "ms_per_token_per_request": 1000 * med / (w.max_new_tokens * -(-len(w.prompt_ids) // w.batch_size)),
                   **{k: last[k] for k in RUN_FIGURES}}
+        if "first_token_seconds" in last:  # decode alone: the run less its prefill and first token
+            first = statistics.median(r["first_token_seconds"] for r in rs)
+            out[v].update(first_token_seconds_median=first,
+                          decode_tokens_per_s=(last["tokens"] - len(w.prompt_ids)) / max(med - first, 1e-9))
     if BASELINE in out:
         base = out[BASELINE]["seconds_median"]
         for v in out:
@@ -148,13 +157,15 @@ def summarise(runs: dict[str, list[dict]], w: Workload) -> dict:
 
 
 def format_table(title: str, summary: dict) -> str:
-    head = ("| policy | time s (median, min-max) | tok/s | ms/tok | of floor | overhead | seq. det. | trigger | "
-            "repair | replayed | rollbacks | incr. / margin |")
-    lines = [f"### {title}", "", head, "|" + "---|" * 12]
+    decode = any("decode_tokens_per_s" in r for r in summary.values())
+    head = ("| policy | time s (median, min-max) | tok/s | " + ("decode-only tok/s | " if decode else "") +
+            "ms/tok | of floor | overhead | seq. det. | trigger | repair | replayed | rollbacks | incr. / margin |")
+    lines = [f"### {title}", "", head, "|" + "---|" * (12 + decode)]
     for v, r in summary.items():
         inc = r.get("increment_ratio_over_margin")
+        dec = f"{r['decode_tokens_per_s']:.1f} | " if decode else ""
         lines.append(f"| {v} | {r['seconds_median']:.2f} ({r['seconds_min']:.2f}-{r['seconds_max']:.2f}) | "
-                     f"{r['tokens_per_s']:.1f} | {r['ms_per_token_per_request']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {dec}{r['ms_per_token_per_request']:.1f} | "
                      f"{percent(r.get('floor_fraction'))} | {percent(r.get('overhead'))} | "
                      f"{percent(r['sequence_determinism'])} | {percent(r['trigger_rate'])} | "
                      f"{percent(r['repair_rate'])} | {r['replayed_tokens']} | "
@@ -165,7 +176,7 @@ def format_table(title: str, summary: dict) -> str:
 def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
               max_new_tokens: int, repeats: int, warmup: int, protected_shares: list[float],
               out: Path | None, progress: bool = True, peers: dict | None = None, workload: str = "",
-              profile_passes: bool = True) -> dict:
+              profile_passes: bool = True, decode_only: bool = False) -> dict:
     report = {"workload": workload, "max_new_tokens": max_new_tokens, "prompts": len(prompts_ids),
               "repeats": repeats, "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {},
               "peers": {}}
@@ -178,6 +189,10 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         for name, peer in peers.items():
             if name not in in_process:  # out of process: its own warm-up and repeats, before ours
                 res = peer.run(prompts_ids, max_new_tokens, b, repeats, warmup)
+                if decode_only:  # its prefill and first token, in the same worker setup
+                    first = peer.run(prompts_ids, 1, b, repeats, warmup)["runs"]
+                    for r in res["runs"]:
+                        r["first_token_seconds"] = statistics.median(f["seconds"] for f in first)
                 external[name] = res["runs"]
                 report["peers"][name] = {k: v for k, v in res.items() if k != "runs"}  # version, weights, ...
         llm = llm_factory(b)
@@ -186,7 +201,8 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
             report["roofline"] = floor = roofline(StepCost.of(llm.config), measure(llm.engine.num_threads),
                                                   [len(p) for p in prompts_ids], max_new_tokens, batch_sizes)
         bench = Bench(llm, progress, references, in_process)
-        summary = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup, external)
+        summary = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup, external,
+                                decode_only)
         for row in summary.values():
             row["floor_fraction"] = row["tokens_per_s"] / floor["floor"][f"B{b}"]["tokens_per_s"]
         report["main"][f"B{b}"] = summary
@@ -245,6 +261,8 @@ def add_parser(sub) -> None:
                    "e.g. hf,vllm,llamacpp")
     p.add_argument("--no-pass-profile", action="store_true",
                    help="skip timing one fast step against verifier passes at the largest batch size")
+    p.add_argument("--decode-only", action="store_true",
+                   help="also time each contender with one new token, and report decode alone (the difference)")
     p.add_argument("--quick", action="store_true",
                    help="8 prompts, 32 tokens, batch 8, 1 repeat, no warm-up, no pass profile")
     p.add_argument("--out", default="results/bench", help="folder for report.json, report.md and plots")
@@ -287,7 +305,7 @@ def _cmd(args) -> None:
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
                        workload=args.dataset or args.prompts_file or "built-in prompts",
-                       profile_passes=not args.no_pass_profile)
+                       profile_passes=not args.no_pass_profile, decode_only=args.decode_only)
     print(json.dumps(report) if args.json else markdown(report))
     if args.device.startswith("cuda"):  # what `auto` resolves to on this GPU from now on
         from ..policies.auto_rule import record
