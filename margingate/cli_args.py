@@ -6,11 +6,23 @@ import argparse
 from collections.abc import Callable
 
 from .data.prompts import Prompt, builtin_prompts, load_prompts_file
-from .models.loader import DEFAULT_MODEL
-from .models.named import NAMED
-from .policies import DEFAULT_DEFER, DEFAULT_GROUP, DEFAULT_WINDOW, POLICY_NAMES, PRECISIONS, REPAIRS, PolicySpec
-from .policies.options import parse_tau
-from .prefix_cache import DEFAULT_MAX_TOKENS as PREFIX_CACHE_TOKENS
+from .models.named import DEFAULT_MODEL, NAMED
+from .options import (
+    DEFAULT_DEFER,
+    DEFAULT_GROUP,
+    DEFAULT_WINDOW,
+    MAX_SPECULATIVE_TOKENS,
+    METHODS,
+    POLICY_NAMES,
+    PRECISIONS,
+    REPAIRS,
+    PolicySpec,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeError,
+    parse_tau,
+)
+from .options.engine import PREFIX_CACHE_TOKENS
 
 # --- argument types: each names the problem in its message -------------------------------
 
@@ -85,7 +97,7 @@ def add_policy_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--tau", type=tau, default=None,
                    help="margin threshold in logits; inf verifies every step (default: the model profile's)")
     p.add_argument("--repair", default="replay", choices=REPAIRS)
-    p.add_argument("--verifier-precision", default="bf16", choices=list(PRECISIONS))
+    p.add_argument("--verifier-precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--no-strict", action="store_true", help="margin/replay: never roll back emitted tokens")
     p.add_argument("--defer", type=non_negative_int, default=DEFAULT_DEFER,
                    help="margin/replay: steps a flagged token may wait for a shared verifier pass (0: at once)")
@@ -112,8 +124,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    from .engine.speculative import MAX_SPECULATIVE_TOKENS, METHODS
-
     g = p.add_argument_group("speculative decoding (proposals checked by the invariant kernels: the same "
                              "tokens under batch-invariant; see engine/speculative.py)")
     g.add_argument("--speculative", choices=METHODS, default=None, help="propose tokens with this method")
@@ -130,8 +140,6 @@ def add_draft_model_arg(p) -> None:
 def speculative_config(args):
     """The request's speculation (None: off), validated by `SpeculativeConfig`; a bad value exits naming
     its flag."""
-    from .engine.speculative import SpeculativeConfig, SpeculativeError
-
     if args.speculative is None:
         return None
     try:
@@ -142,8 +150,6 @@ def speculative_config(args):
 
 
 def sampling_params(args):
-    from .engine.sampling import SamplingParams
-
     return SamplingParams(temperature=args.temperature, seed=args.seed, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,

@@ -9,10 +9,7 @@ import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
-import torch
-
 from .kernels import VERSION as KERNELS_VERSION
-from .kernels import invariant
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
 PACKAGES = ("margingate", "numpy", "transformers", "tokenizers")
@@ -20,6 +17,9 @@ PACKAGES = ("margingate", "numpy", "transformers", "tokenizers")
 
 def environment_record(llm, num_threads: int | None = None) -> dict:
     """`llm`'s environment; `num_threads` overrides its engine's (a worker pool's threads per worker)."""
+    import torch  # loaded with `llm` already; imported here so that the commands' --help loads none
+
+    from .kernels import invariant
     return {"model": llm.model_name, "model_fingerprint": llm.config.fingerprint(),
             "device": str(llm.model.device), "torch": torch.__version__,
             "num_threads": llm.engine.num_threads if num_threads is None else num_threads,

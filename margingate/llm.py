@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .data.prompts import Prompt
-from .engine import Engine, EngineConfig, Request, Result
+from .engine import Request, Result
 from .engine.draft import DraftModel, check_draft
-from .engine.engine import StreamEvent
+from .engine.engine import Engine, EngineConfig, StreamEvent
 from .engine.logprobs import TokenLogprob
-from .engine.sampling import SamplingParams
-from .engine.speculative import SpeculativeConfig
 from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
-from .models.loader import DEFAULT_MODEL, load_config, load_state_dict, resolve_model_dir
+from .models.loader import load_config, load_state_dict, resolve_model_dir
+from .models.named import DEFAULT_MODEL
 from .models.tokenizer import Tokenizer
-from .policies import DEFAULT_TAU, Policy, PolicySpec
+from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
+from .policies import Policy, build
 from .profiles import load_profile
 from .scoring import Score, score_pairs
 
@@ -70,7 +70,7 @@ class LLM:
             spec = PolicySpec(spec, **options)
         elif options:
             spec = spec.replace(**options)
-        return spec.build(self.default_tau, self.device)
+        return build(spec, self.default_tau, self.device)
 
     @property
     def device(self) -> str:

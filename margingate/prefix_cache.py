@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import KVCache
+from .options.engine import PREFIX_CACHE_TOKENS
 
 DEFAULT_BLOCK = 16
-DEFAULT_MAX_TOKENS = 16384  # SmolLM2-135M: ~23 KB of K/V per position, ~370 MB in all
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, block: int = DEFAULT_BLOCK):
+    def __init__(self, max_tokens: int = PREFIX_CACHE_TOKENS, block: int = DEFAULT_BLOCK):
         if block < 1 or max_tokens < block:
             raise ValueError(f"prefix cache: need block >= 1 and max_tokens >= block, got {block}, {max_tokens}")
         self.block, self.max_blocks = block, max_tokens // block

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from .models.config import ModelConfig
-from .models.loader import cache_root
+from .paths import cache_root
 
 
 def user_dir() -> Path:

@@ -20,7 +20,7 @@ from margingate.cli import build_parser
 from margingate.data.prompts import load_prompts_file
 from margingate.distributed.offline import WorkerPool
 from margingate.llm import LLM
-from margingate.policies import PolicySpec
+from margingate.options import PolicySpec
 
 
 def timed(engine, llm, prompts, policy: str, max_new_tokens: int, repeats: int = 1) -> tuple[float, list[list[int]]]:

@@ -22,7 +22,7 @@ def make_server(llm, *, slots: int = SLOTS, max_len: int = 512, grace_s: float =
                 prefix_cache_tokens: int = 2048, **app_kw):
     """A started server with its own small engine (`slots` KV slots) over the session's model; the prefix
     cache on by default, as `margingate serve` runs. `srv.app`, `srv.state`, `srv.engine` for the tests."""
-    from margingate.engine import Engine, EngineConfig
+    from margingate.engine.engine import Engine, EngineConfig
     from margingate.server.app import create_app
     from margingate.server.background import BackgroundServer
 

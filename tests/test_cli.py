@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +15,17 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     code = main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def test_help_loads_no_torch():
+    """Building the parser (`margingate --help`, a typo in a flag) loads no torch, no model code and no
+    engine: every command's module keeps them for when it runs. In a fresh interpreter, since this
+    one has them loaded already."""
+    probe = ("import sys; from margingate.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('torch', 'margingate.engine.engine', 'margingate.models.llama', "
+             "'margingate.llm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_generate_json(capsys):

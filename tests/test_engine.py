@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from prompt_sets import EOS_STOPPERS, HET8, HET16
 
-from margingate.engine import Engine, EngineConfig, Request
-from margingate.policies import PolicySpec
+from margingate.engine import Request
+from margingate.engine.engine import Engine, EngineConfig
+from margingate.options import PolicySpec
+from margingate.policies import build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +37,7 @@ def small_engine(llm, policy: str = "reference", **config) -> Engine:
     """A second engine over the already loaded model (its own KV slots)."""
     config.setdefault("max_batch_size", 2)
     return Engine(llm.model, EngineConfig(num_threads=llm.engine.num_threads, **config),
-                  lambda: PolicySpec(policy).build())
+                  lambda: build(PolicySpec(policy)))
 
 
 def drain(engine: Engine) -> list:
@@ -128,7 +130,7 @@ def test_context_limit(llm, ids, ref):
 
 def test_one_new_token(llm, ids, ref):
     """max_new_tokens=1 works under every policy: the prefill's argmax, "length"."""
-    reqs = [Request(ids[0], max_new_tokens=1, policy=PolicySpec(p).build(), request_id=p)
+    reqs = [Request(ids[0], max_new_tokens=1, policy=build(PolicySpec(p)), request_id=p)
             for p in ("fast", "reference", "margin", "verify-all")]
     for r in llm.engine.generate(reqs):
         assert r.token_ids == ref[0].token_ids[:1] and r.finish_reason == "length", r.request_id
@@ -161,7 +163,7 @@ def test_mixed_fast_and_margin_batch(llm, ids, ref):
     """Half the batch "fast", half "margin" (32 tokens): the fast requests are bitwise those of an
     all-fast run of the same batch (protection does not disturb the neighbours), and
     the margin requests equal their references."""
-    fast, margin = PolicySpec("fast").build(), PolicySpec("margin").build()
+    fast, margin = build(PolicySpec("fast")), build(PolicySpec("margin"))
     mixed_policy = [fast if k % 2 == 0 else margin for k in range(len(HET8))]
 
     def run(policies):

@@ -11,9 +11,9 @@ import pytest
 from margingate.analysis import diagnostics as D
 from margingate.analysis import flips as F
 from margingate.analysis.calibrate import tau_grid
-from margingate.analysis.compare import flip_rates, gate_rates, judge, summary
+from margingate.analysis.compare import flip_rates, gate_rates, judge, reference_tokens, summary
 from margingate.analysis.runs import batches, staggered
-from margingate.analysis.traces import TOPK, TraceRunner, reference_tokens
+from margingate.analysis.traces import TOPK, TraceRunner
 
 
 def _trace(tokens, topv, topi, dev=None, at_ref=None):

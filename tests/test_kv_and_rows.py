@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from margingate.engine.policy import VerifyJob
 from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
-from margingate.engine.verifier import Verifier, VerifyJob
+from margingate.engine.verifier import Verifier
 from margingate.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
 from margingate.policies import VerifyState

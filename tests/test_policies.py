@@ -7,8 +7,8 @@ import torch
 from prompt_sets import HET8
 
 from margingate.engine import Request
-from margingate.engine.sampling import SamplingParams
-from margingate.engine.verifier import VerifyJob
+from margingate.engine.policy import VerifyJob
+from margingate.options import SamplingParams
 
 TOKENS = 40
 

@@ -8,7 +8,8 @@ import pytest
 
 from margingate.cli import build_parser
 from margingate.cli_args import policy_spec
-from margingate.policies import POLICIES, REPAIRS, PolicyOptionError, PolicySpec, deterministic_policies
+from margingate.options import PROMISES, REPAIRS, PolicyOptionError, PolicySpec, deterministic_policies
+from margingate.policies import POLICIES, build
 
 
 def test_unknown_policy():
@@ -27,8 +28,8 @@ def test_bad_tau(tau):
 
 def test_edge_taus_accepted():
     """tau = 0 (exact ties only) and tau = inf (every step) are valid."""
-    assert PolicySpec("margin", tau=0).build().tau == 0.0
-    assert PolicySpec("margin", tau="inf").build().tau == math.inf
+    assert build(PolicySpec("margin", tau=0)).tau == 0.0
+    assert build(PolicySpec("margin", tau="inf")).tau == math.inf
 
 
 @pytest.mark.parametrize("options, option, needle", [
@@ -52,12 +53,12 @@ def test_bad_options_name_the_option(options, option, needle):
 
 def test_defaults_and_build():
     """One set of defaults: a spec's build gets them; margin's tau falls back to the model's."""
-    margin = PolicySpec("margin").build(default_tau=0.25)
+    margin = build(PolicySpec("margin"), default_tau=0.25)
     assert (margin.tau, margin.repair, margin.strict, margin.defer) == (0.25, "replay", True, 8)
-    dvr = PolicySpec("dvr", tau=0.1).build()  # options a policy does not use are ignored
+    dvr = build(PolicySpec("dvr", tau=0.1))  # options a policy does not use are ignored
     assert (dvr.window, dvr.group, dvr.pad_to) == (16, 4, 16)
-    assert PolicySpec("margin", inject_flip_at=2).build().inject_flip_at == 2
-    assert PolicySpec("margin").replace(tau=0.5).build().tau == 0.5
+    assert build(PolicySpec("margin", inject_flip_at=2)).inject_flip_at == 2
+    assert build(PolicySpec("margin").replace(tau=0.5)).tau == 0.5
 
 
 def test_promises_are_derived_once_from_the_options():
@@ -72,22 +73,23 @@ def test_promises_are_derived_once_from_the_options():
     assert PolicySpec("dvr", strict=False, repair="none").deterministic  # options dvr does not use
     assert PolicySpec("verify-all", strict=False).deterministic
     assert {n for n in POLICIES if PolicySpec(n).promise.verifies} == {"margin", "verify-all", "dvr"}
+    assert list(POLICIES) == list(PROMISES)  # every name promises something and builds something
     for name in POLICIES:
         for repair in REPAIRS:
             for strict in (True, False):
                 spec = PolicySpec(name, repair=repair, strict=strict)
-                policy = spec.build()
+                policy = build(spec)
                 assert policy.promise == spec.promise, spec
                 assert policy.guarantees_logprobs == spec.deterministic, spec
     # a non-strict margin never defers: only the strict replay can take back a token decoded after a late flip
-    assert PolicySpec("margin", strict=False, defer=8).build().defer == 0
+    assert build(PolicySpec("margin", strict=False, defer=8)).defer == 0
 
 
 def test_auto_resolves_per_device(monkeypatch):
     """`auto` is resolved in the spec layer, once: the cheapest guaranteed policy for the device (on a GPU,
     what its bench recorded: here margin; auto_rule's own test in test_triton_engine.py), named in the
     report; other names are left alone, and an unresolved `auto` has no class to build by accident."""
-    from margingate.policies import auto_rule
+    from margingate.options import auto_rule
 
     assert PolicySpec("auto").resolve("cuda").name == "batch-invariant"  # no GPU here: never measured
     monkeypatch.setattr(auto_rule, "measured", lambda device: "margin")
@@ -95,11 +97,10 @@ def test_auto_resolves_per_device(monkeypatch):
     assert (cpu.name, cpu.chosen_by) == ("batch-invariant", "auto")
     assert (cuda.name, cuda.tau, cuda.chosen_by) == ("margin", 0.2, "auto")
     assert PolicySpec("dvr").resolve("cuda") == PolicySpec("dvr")
-    built = PolicySpec("auto").build(device="cuda")
+    built = build(PolicySpec("auto"), device="cuda")
     assert built.name == "margin" and built.deterministic and built.chosen_by == "auto"
     assert PolicySpec("auto").deterministic
-    with pytest.raises(ValueError, match="until resolved"):
-        PolicySpec("auto").policy_class  # noqa: B018
+    assert "auto" not in POLICIES  # nothing to build unless resolved (`build` resolves first)
     with pytest.raises(PolicyOptionError, match="needs a verifying policy"):
         PolicySpec("auto", inject_flip_at=1).resolve("cpu")  # batch-invariant has nothing to inject into
     args = build_parser().parse_args(["generate", "--policy", "auto", "x"])

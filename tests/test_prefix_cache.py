@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from margingate.data.prompts import Prompt
-from margingate.engine import Engine, EngineConfig, Request
+from margingate.engine import Request
+from margingate.engine.engine import Engine, EngineConfig
 from margingate.kv_cache import KVCache
 from margingate.prefix_cache import PrefixCache
 

@@ -19,8 +19,8 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra: pip
 from margingate.analysis.check import Checker  # noqa: E402
 from margingate.cli import build_parser  # noqa: E402
 from margingate.distributed.offline import WorkerPool  # noqa: E402
-from margingate.engine import Engine, EngineConfig  # noqa: E402
-from margingate.policies import PolicySpec  # noqa: E402
+from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
+from margingate.options import PolicySpec  # noqa: E402
 
 TOKENS = 16
 PROMPTS = [0, 10, 20, 30]  # one per category of the built-in set

@@ -15,7 +15,8 @@ from prompt_sets import HET8
 
 from margingate.engine import Request
 from margingate.engine.logprobs import logprobs_of
-from margingate.engine.sampling import SamplingError, SamplingParams, filtered
+from margingate.engine.sampling import filtered
+from margingate.options import SamplingError, SamplingParams
 
 TOKENS = 20
 SAMPLED = SamplingParams(temperature=1.0, seed=7, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.4,

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from server_fixtures import MODEL, TIMEOUT, chat  # noqa: E402
 
-from margingate.policies import DEFAULT_DEFER  # noqa: E402
+from margingate.options import DEFAULT_DEFER  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("server_idle_after")
 

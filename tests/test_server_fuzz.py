@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from server_fixtures import MODEL, make_server  # noqa: E402
 
-from margingate.policies import POLICIES, REPAIRS  # noqa: E402
+from margingate.options import PROMISES, REPAIRS  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MARGINGATE_FUZZ_EXAMPLES", "40"))  # raise it for a longer fuzz
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -42,7 +42,7 @@ def maybe(valid):
 max_tokens = st.integers(-3, 4) | st.integers(10 ** 6, 10 ** 7) | st.floats(0, 5) | st.just("3")
 temperature = st.floats(-1, 3, allow_nan=False) | st.sampled_from([0, 1e-300, 1e-6, 2])
 determinism = st.fixed_dictionaries({}, optional={
-    "policy": maybe(st.sampled_from([*POLICIES, "nope"])),
+    "policy": maybe(st.sampled_from([*PROMISES, "nope"])),
     "tau": maybe(st.floats(-1, 5, allow_nan=False) | st.just(0)),
     "repair": maybe(st.sampled_from([*REPAIRS, "glue"])),
     "strict": maybe(st.booleans()),
@@ -97,7 +97,7 @@ chat_bodies = body({"messages": maybe(st.lists(message, max_size=3))})
 
 # well-formed bodies: most reach the engine, with every policy, sampling, streaming and stop strings
 valid_determinism = st.fixed_dictionaries({}, optional={
-    "policy": st.sampled_from(list(POLICIES)), "tau": st.floats(0, 5), "repair": st.sampled_from(REPAIRS),
+    "policy": st.sampled_from(list(PROMISES)), "tau": st.floats(0, 5), "repair": st.sampled_from(REPAIRS),
     "strict": st.booleans(), "verifier_precision": st.sampled_from(["bf16", "fp32"]),
     "defer": st.integers(0, 4), "window": st.integers(1, 8), "group": st.integers(1, 4)})
 valid_bodies = st.fixed_dictionaries(

@@ -14,10 +14,10 @@ from margingate.cli import build_parser
 from margingate.cli_args import speculative_config
 from margingate.data.prompts import Prompt
 from margingate.engine import Request
-from margingate.engine.sampling import SamplingParams
-from margingate.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
+from margingate.engine.proposers import NgramProposer
 from margingate.engine.step_profile import StepProfile
 from margingate.llm import LLM
+from margingate.options import SamplingParams, SpeculativeConfig, SpeculativeError
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
 COPYING = [f"Repeat this code exactly, then rename add to plus:\n{CODE}",

@@ -11,10 +11,8 @@ import pytest
 
 from margingate.data.prompts import Prompt
 from margingate.engine import Request
-from margingate.engine.sampling import SamplingError, SamplingParams
-from margingate.engine.speculative import SpeculativeConfig
 from margingate.engine.stops import StopStrings
-from margingate.policies import deterministic_policies
+from margingate.options import SamplingError, SamplingParams, SpeculativeConfig, deterministic_policies
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")

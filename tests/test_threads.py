@@ -16,9 +16,10 @@ import pytest
 import torch
 from prompt_sets import SPREAD8 as PICKS
 
-from margingate.engine import Engine, EngineConfig, Request
-from margingate.engine.sampling import SamplingParams
+from margingate.engine import Request
+from margingate.engine.engine import Engine, EngineConfig
 from margingate.kernels.invariant import ISA_PATHS, linear_paths
+from margingate.options import SamplingParams
 
 DEFAULT_PATH = linear_paths()[0]
 
@@ -28,7 +29,7 @@ NEW_TOKENS = 32
 SCRIPT = """
 import json, sys
 from margingate.data.prompts import builtin_prompts
-from margingate.engine.sampling import SamplingParams
+from margingate.options import SamplingParams
 from margingate.llm import LLM
 
 threads, policies, picks, n = int(sys.argv[1]), sys.argv[2].split(","), json.loads(sys.argv[3]), int(sys.argv[4])
@@ -98,7 +99,7 @@ SAMPLED = """
 import json
 import torch
 from margingate.data.prompts import builtin_prompts
-from margingate.engine.sampling import SamplingParams
+from margingate.options import SamplingParams
 from margingate.llm import LLM
 
 llm = LLM(max_batch_size=4, policy="batch-invariant")

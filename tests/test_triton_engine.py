@@ -17,13 +17,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (`pip install triton==3.7.1`)")
 
-from margingate.engine import Engine, EngineConfig, Request  # noqa: E402
-from margingate.engine.speculative import SpeculativeConfig  # noqa: E402
+from margingate.engine import Request  # noqa: E402
+from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.kernels import triton as mt  # noqa: E402
 from margingate.kv_cache import KVCache  # noqa: E402
 from margingate.models.llama import AttentionPlan, LlamaModel, resolve_kernels  # noqa: E402
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir  # noqa: E402
-from margingate.policies.spec import PolicySpec  # noqa: E402
+from margingate.options import PolicySpec, SpeculativeConfig  # noqa: E402
+from margingate.policies import build  # noqa: E402
 
 DEVICE = "cpu" if mt.interpreting() else "cuda"
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,11 +77,11 @@ def test_triton_model_matches_transformers(hf_folder, model):
 
 
 def engine(model, policy: str, batch: int = 4) -> Engine:
-    return Engine(model, EngineConfig(max_batch_size=batch, max_model_len=64), lambda: PolicySpec(policy).build())
+    return Engine(model, EngineConfig(max_batch_size=batch, max_model_len=64), lambda: build(PolicySpec(policy)))
 
 
 def decode(eng: Engine, prompts, policy: str, tag: str, **kw) -> list[list[int]]:
-    reqs = [Request(p, NEW, PolicySpec(policy).build(), ignore_eos=True, request_id=f"{tag}{i}", **kw)
+    reqs = [Request(p, NEW, build(PolicySpec(policy)), ignore_eos=True, request_id=f"{tag}{i}", **kw)
             for i, p in enumerate(prompts)]
     return [r.token_ids for r in eng.generate(reqs)]
 
@@ -97,9 +98,9 @@ def test_triton_engine_keeps_the_contract(model, alone, policy):
     """The check, end to end on the CUDA code path: the prompts together in one batch (with a `fast`
     request sharing the steps) give each request's tokens alone."""
     eng = engine(model, policy)
-    reqs = [Request(p, NEW, PolicySpec(policy).build(), ignore_eos=True, request_id=f"b{i}")
+    reqs = [Request(p, NEW, build(PolicySpec(policy)), ignore_eos=True, request_id=f"b{i}")
             for i, p in enumerate(PROMPTS)]
-    reqs.append(Request(PROMPTS[0][:3], NEW, PolicySpec("fast").build(), ignore_eos=True, request_id="fast"))
+    reqs.append(Request(PROMPTS[0][:3], NEW, build(PolicySpec("fast")), ignore_eos=True, request_id="fast"))
     out = [r.token_ids for r in eng.generate(reqs)]
     assert out[:3] == alone
 
@@ -113,8 +114,8 @@ def test_triton_speculation_equals_plain(model, alone):
 
 def test_triton_auto_on_cuda_follows_the_recorded_bench(tmp_path, monkeypatch):
     """`auto` on a GPU: batch-invariant until a bench on it recorded which guarantee costs less."""
-    from margingate.policies import auto_rule
-    from margingate.policies.options import auto_policy
+    from margingate.options import auto_rule
+    from margingate.options.policy import auto_policy
 
     monkeypatch.setenv("MARGINGATE_CACHE", str(tmp_path))
     monkeypatch.setattr(auto_rule, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")

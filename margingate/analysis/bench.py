@@ -15,18 +15,21 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from .. import cli_args
-from ..llm import LLM
-from ..policies import PolicySpec
+from ..options import PolicySpec
 from . import compare, plots
 from .outputs import machine_line, percent, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
 from .roofline import StepCost, format_roofline, measure, roofline
 from .runs import CachedRuns
+
+if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
+    from ..llm import LLM
 
 # variant name -> the policy "protected" requests get; the rest run UNPROTECTED.
 VARIANTS = {
@@ -308,7 +311,7 @@ def _cmd(args) -> None:
                        profile_passes=not args.no_pass_profile, decode_only=args.decode_only)
     print(json.dumps(report) if args.json else markdown(report))
     if args.device.startswith("cuda"):  # what `auto` resolves to on this GPU from now on
-        from ..policies.auto_rule import record
+        from ..options.auto_rule import record
 
         path = record(report, args.device)
         print(f"auto on this GPU: recorded in {path}" if path else

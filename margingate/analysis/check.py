@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from .. import cli_args
 from ..data.prompts import Prompt
 from ..distributed.options import add_ray_args, worker_pool
-from ..engine.policy import Policy
-from ..policies import PolicySpec
+from ..options import PolicySpec
 from .compare import judge, summary
 from .outputs import machine_line, percent
 from .runs import CachedRuns, batches, staggered
 
-if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
+if TYPE_CHECKING:  # the facade and the policies load the model stack: only when the command runs
+    from ..engine.policy import Policy
     from ..llm import LLM
 
 MODES = ("hetero", "homo", "staggered")

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 COUNTERS = ("triggers", "repairs", "replayed_tokens", "rollbacks", "missed_flips", "discarded_tokens")
 
 
+def reference_tokens(refs: list[dict]) -> list[list[int]]:
+    """The token ids of traced references (what runs are judged against)."""
+    return [r["tokens"] for r in refs]
+
+
 def first_divergence(ref: list[int], out: list[int]) -> int | None:
     """Index of the first differing output token (a length difference counts), or None."""
     for i, (a, b) in enumerate(zip(ref, out)):

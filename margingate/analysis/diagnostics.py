@@ -13,7 +13,8 @@ import warnings
 
 import numpy as np
 
-from .traces import DELTA_K, TOPK
+TOPK = 16          # batched top-k kept per step (rank / near-tie counts are capped here)
+DELTA_K = 8        # delta: batched vs reference logits over the reference's top-8 tokens
 
 EPS_SCALES = (0.0625, 0.125, 0.25, 0.5)   # Table 4: C_eps scales (logits)
 RECALL_TAUS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0)

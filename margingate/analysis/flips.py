@@ -17,13 +17,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import cli_args
 from . import plots
-from .compare import flip_rates, judge
+from .compare import flip_rates, judge, reference_tokens
 from .diagnostics import (
+    DELTA_K,
     aligned_deviation,
     delta_stats,
     gate_recall,
@@ -36,7 +38,9 @@ from .diagnostics import (
 )
 from .outputs import fmt, write_report
 from .runs import add_run_args, cache_dir_of, load_prompts
-from .traces import DELTA_K, TraceRunner, reference_tokens
+
+if TYPE_CHECKING:
+    from .traces import TraceRunner
 
 
 @dataclass
@@ -55,6 +59,8 @@ class FlipsConfig:
 
 
 def run_flips(llm, cfg: FlipsConfig, cache_dir: Path | None, progress: bool = True) -> dict:
+    from .traces import TraceRunner  # its policies load torch: only when a command runs
+
     t0 = time.perf_counter()
     prompts = load_prompts(llm, cfg.dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]

@@ -8,9 +8,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from .. import cli_args
 from .outputs import write_report
 
@@ -55,6 +52,8 @@ def seconds_per_call(fn, budget: float) -> float:
 
 
 def measure(shapes: dict, rows: list[int], paths: list[str], budget: float) -> list[dict]:
+    import torch  # when the command runs: building the command line loads no torch
+    import torch.nn.functional as F
     from tqdm import tqdm
 
     from ..kernels import invariant
@@ -139,6 +138,8 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 
 def cmd_bench_linear(args) -> None:
+    import torch
+
     from ..environment import cpu_info
     from ..kernels import invariant
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from ..engine import Request
-from ..engine.verifier import VerifyJob
-from ..llm import LLM
+
+if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
+    from ..llm import LLM
 
 WARM_TOKENS = 64  # decode this far first, so the rows attend over realistic prefixes
 
@@ -20,6 +22,8 @@ WARM_TOKENS = 64  # decode this far first, so the rows attend over realistic pre
 def pass_profile(llm: LLM, prompt_ids: list[list[int]], repeats: int = 5) -> dict:
     """Median milliseconds of: one fast decode step over B = max_batch_size rows; verifier
     passes of 64 rows (4 requests x 16 positions, and 1 x 64) and of 16 rows (16 x 1)."""
+    from ..engine.policy import VerifyJob  # loads torch: only when the profile runs
+
     engine = llm.engine
     b = engine.config.max_batch_size
     if len(prompt_ids) < b:

@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 VLLM_PYTHON = ".venv-vllm/bin/python"  # `make vllm-venv`; MARGINGATE_VLLM_PYTHON overrides
 LLAMACPP_PYTHON = ".venv-llamacpp/bin/python"  # `make llamacpp-venv`; MARGINGATE_LLAMACPP_PYTHON overrides
 
@@ -42,6 +40,7 @@ class HFPeer:
     name = "hf-generate"
 
     def __init__(self, folder: Path, threads: int):
+        import torch
         from transformers import AutoModelForCausalLM  # a dependency of margingate; imported only when used
 
         self.threads = threads
@@ -51,6 +50,8 @@ class HFPeer:
         self._alone: dict[tuple, list[int]] = {}
 
     def generate(self, group: list[list[int]], n: int) -> list[list[int]]:
+        import torch  # loaded by __init__ already
+
         width = max(map(len, group))
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])

@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from ..models.config import ModelConfig
 
 BANDWIDTH_BYTES = 1 << 30   # 1 GiB: far beyond any last-level cache
@@ -42,6 +40,8 @@ def _best_of(fn, repeats: int) -> float:
 
 
 def _read_seconds(repeats: int) -> float:
+    import torch  # measured when a bench runs; not on the import of the commands (--help)
+
     buf = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     return _best_of(buf.sum, repeats)  # the buffer is freed on return
 
@@ -49,6 +49,8 @@ def _read_seconds(repeats: int) -> float:
 def measure(threads: int, repeats: int = 5) -> Machine:
     """Best-of-`repeats` read bandwidth and bf16 GEMM rate at `threads` torch threads (STREAM
     reports the best run too: the floor is what the machine can do, not what it usually does)."""
+    import torch  # as in _read_seconds
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

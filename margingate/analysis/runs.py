@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .. import cli_args
 from ..engine import Request
 from ..environment import environment_record
+from ..paths import cache_root
 
 CACHE_VERSION = "flips-v1"  # the format of a cached run (the name predates the other users)
 PLANS = ("hetero", "homo", "alone", "chunks")
@@ -80,6 +80,8 @@ class CachedRuns:
         return settings_key({**self.base, **spec})
 
     def _load(self, key: str):
+        import torch  # the cache's format; imported here so that the commands' --help loads none
+
         if self.cache_dir is None:
             return None
         path = self.cache_dir / f"{key}.pt"
@@ -91,6 +93,8 @@ class CachedRuns:
         return None
 
     def _save(self, key: str, value) -> None:
+        import torch  # the cache's format; imported here so that the commands' --help loads none
+
         if self.cache_dir is None:
             return
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +180,4 @@ def cache_dir_of(args) -> Path | None:
         return None
     if args.cache_dir:
         return Path(args.cache_dir)
-    from ..models.loader import cache_root
-
     return cache_root() / "runs"

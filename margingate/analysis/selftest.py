@@ -12,8 +12,6 @@ import hashlib
 import json
 import time
 
-import torch
-
 from .. import cli_args
 from ..data.prompts import builtin_prompts
 from ..environment import cpu_info
@@ -30,6 +28,8 @@ def add_parser(sub) -> None:
 
 
 def machine() -> dict:
+    import torch  # when the command runs: building the command line loads no torch
+
     flags = (cpu_info("flags") or "").split()
     return {"cpu": cpu_info("model name") or "unknown", "family": cpu_info("cpu family"), "model": cpu_info("model"),
             "flags": {f: f in flags for f in FLAGS}, "torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -18,14 +18,12 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .. import cli_args
 from ..data.prompts import Prompt
 from ..engine import Request
-from ..engine.runner import Span
-from ..engine.speculative import SpeculativeConfig
+from ..options import SpeculativeConfig
 from .outputs import machine_line, write_report
 
 CODE = '''def mean(xs):
@@ -104,6 +102,10 @@ def batched_rows(llm, prompts: list[str], batch: int, spec: SpeculativeConfig, t
 def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: int) -> list[dict]:
     """Median time of a forward with B spans of k + 1 rows each (exact attention, invariant kernels)
     over `context` positions of K/V, against k = 0."""
+    import torch  # with the runner: only when the command runs, not on the import of the CLI (--help)
+
+    from ..engine.runner import Span
+
     engine = llm.engine
     seqs = []
     for i in range(max(batch_sizes)):

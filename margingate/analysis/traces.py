@@ -19,11 +19,10 @@ import numpy as np
 import torch
 
 from ..engine.sequence import Sequence
-from ..policies import FastPolicy, PolicySpec, ReferencePolicy
+from ..options import PolicySpec
+from ..policies import FastPolicy, ReferencePolicy
+from .diagnostics import DELTA_K, TOPK
 from .runs import CachedRuns, batches
-
-TOPK = 16          # batched top-k kept per step (rank / near-tie counts are capped here)
-DELTA_K = 8        # delta: batched vs reference logits over the reference's top-8 tokens
 
 
 @dataclass
@@ -155,8 +154,3 @@ class TraceRunner(CachedRuns):
         return self.run(spec, groups,
                         lambda i, r: _traced(lambda t: OracleRepair(t, refs[i], fire.get(i, set()))),
                         f"oracle b={size} round {round_}")
-
-
-def reference_tokens(refs: list[dict]) -> list[list[int]]:
-    """The token ids of traced references (what runs are judged against)."""
-    return [r["tokens"] for r in refs]

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from importlib import util
 from pathlib import Path
 
+from ..paths import cache_root
 from .prompts import Prompt, PromptFileError, builtin_prompts, load_prompts_file
 
 DATASETS = ("humaneval", "sharegpt", "champ", "builtin")
@@ -92,8 +93,6 @@ def iter_json_array(text: str):
 
 
 def _sharegpt_cache() -> Path:
-    from ..models.loader import cache_root
-
     return cache_root() / "datasets" / "sharegpt_first_human_turns.jsonl"
 
 

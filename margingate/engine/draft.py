@@ -12,9 +12,10 @@ import torch
 
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
+from ..options.speculative import SpeculativeError
+from .proposers import Proposer
 from .runner import Runner, Span
 from .sequence import Request, Sequence
-from .speculative import Proposer, SpeculativeError
 
 
 def check_draft(target_vocab: int, draft_vocab: int, same_tokenizer: bool) -> None:

@@ -11,40 +11,19 @@ from tqdm import tqdm
 
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
+from ..options.engine import EngineConfig
 from ..prefix_cache import PrefixCache
 from .logprobs import logprobs_of
-from .policy import Policy
+from .policy import Policy, VerifyJob
+from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
 from .sampling import scores
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
-from .speculative import SpeculationStats, accept, off_reason, propose
+from .speculative import accept, off_reason, propose
 from .step_profile import StepProfile
 from .stops import StopStrings
-from .verifier import Verified, Verifier, VerifyJob
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_batch_size: int = 16      # decode rows per step = KV slots
-    max_model_len: int = 2048     # positions per slot (prompt + output)
-    num_threads: int | None = None  # torch CPU threads; None: all cores
-    prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
-    prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
-    # speculative rows only where the step profile says they pay (step_profile.py); False: every
-    # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
-    speculative_cost_model: bool = True
-
-    def __post_init__(self):
-        if self.prefix_cache_tokens < 0:
-            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
+from .verifier import Verified, Verifier
 
 PHASES = ("prefill", "decode", "verify")
 
@@ -227,7 +206,7 @@ class Engine:
                 stats.held += k == 0
             if k >= 1:
                 if seq.proposer is None:  # on its first step: a draft proposer holds a KV slot
-                    seq.proposer = seq.request.speculative.proposer(self.draft)
+                    seq.proposer = proposer_for(seq.request.speculative, self.draft)
                 rows += propose(seq, k)
         return rows
 

@@ -15,33 +15,32 @@ What a policy remembers about a request lives in the state it creates
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ..options.policy import PolicySpec, Promise
 from .sequence import Sequence
-from .verifier import VerifyJob
-
-if TYPE_CHECKING:
-    from ..policies.spec import PolicySpec
 
 
-@dataclass(frozen=True, slots=True)
-class Promise:
-    """What a policy with given options promises: derived once from the validated `PolicySpec`
-    (`Policy.promise_for`), read by the CLI, the server and the reports alike."""
-    #: the request's tokens do not depend on what shares its batch
-    deterministic: bool = False
-    #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
-    verifies: bool = False
+@dataclass
+class VerifyJob:
+    """Recompute positions [start, end] of `seq` with the verifier's kernels, in `precision`.
+
+    The pass writes the K/V of those positions (canonical columns) and returns one logits row
+    per position. `pad_to` fixes the job's shape: padded to that many rows and grouped with up
+    to `group` jobs, the group padded with dummy jobs.
+    """
+    seq: Sequence
+    start: int
+    end: int
+    precision: torch.dtype = torch.bfloat16
+    pad_to: int | None = None
+    group: int = 1
 
     @property
-    def guarantees_logprobs(self) -> bool:
-        """Are the reported logprobs batch-invariant too? Wherever the tokens are: the engine records
-        a token's logprobs from the row that chose it, replaced by the verifier's row whenever one
-        recomputes its position, and a deterministic policy releases a token only once the row it
-        came from is canonical (an exact-attention decode row, or the verifier's)."""
-        return self.deterministic
+    def rows(self) -> int:
+        return self.end + 1 - self.start
 
 
 class PolicyState:
@@ -53,7 +52,7 @@ class PolicyState:
 
 
 class Policy:
-    """Built only from a validated `PolicySpec` (`PolicySpec.build`), whose options it trusts."""
+    """Built only from a validated `PolicySpec` (`policies.build`), whose options it trusts."""
     name = "base"
     #: decode rows attend over exactly their own prefix (else: as one padded batch, whose
     #: reduction order depends on the batch)
@@ -65,12 +64,7 @@ class Policy:
 
     def __init__(self, spec: PolicySpec):
         self.spec = spec
-        self.promise = self.promise_for(spec)
-
-    @classmethod
-    def promise_for(cls, spec: PolicySpec) -> Promise:
-        """What this policy promises with these options (the one place it is decided)."""
-        return Promise()
+        self.promise: Promise = spec.promise  # decided in one place, from the name and options
 
     @property
     def deterministic(self) -> bool:

@@ -5,13 +5,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .logprobs import TokenLogprob
-from .sampling import SamplingParams
+from ..options.sampling import SamplingParams
+from ..options.speculative import SpeculativeConfig
+from .proposers import Proposer, SpeculationStats
 
 if TYPE_CHECKING:
     from ..kv_cache import SlotView
-    from .policy import Policy
-    from .speculative import Proposer, SpeculationStats, SpeculativeConfig
+    from .logprobs import TokenLogprob
     from .stops import StopStrings
 
 _ids = itertools.count()
@@ -22,7 +22,8 @@ class Request:
     """What a caller submits. `prompt_ids` are already tokenized."""
     prompt_ids: list[int]
     max_new_tokens: int = 128
-    policy: Policy | None = None        # None: the engine's default policy
+    # a Policy (engine/policy.py, the layer above: policies read sequences); None: the engine's default
+    policy: Any = None
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS tokens
     ignore_eos: bool = False
     request_id: str | None = None
@@ -60,7 +61,7 @@ class Result:
 @dataclass(eq=False)  # identity: two requests are never the same sequence
 class Sequence:
     request: Request
-    policy: Policy
+    policy: Any                            # the request's Policy (engine/policy.py, which reads sequences)
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     cache: SlotView | None = None          # this request's KV slot, set on admission

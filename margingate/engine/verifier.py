@@ -17,29 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .policy import VerifyJob
 from .runner import Runner, Span
 from .sampling import scores
-from .sequence import Sequence
-
-
-@dataclass
-class VerifyJob:
-    """Recompute positions [start, end] of `seq` with the verifier's kernels, in `precision`.
-
-    The pass writes the K/V of those positions (canonical columns) and returns one logits row
-    per position. `pad_to` fixes the job's shape: padded to that many rows and grouped with up
-    to `group` jobs, the group padded with dummy jobs.
-    """
-    seq: Sequence
-    start: int
-    end: int
-    precision: torch.dtype = torch.bfloat16
-    pad_to: int | None = None
-    group: int = 1
-
-    @property
-    def rows(self) -> int:
-        return self.end + 1 - self.start
 
 
 @dataclass(frozen=True, slots=True)

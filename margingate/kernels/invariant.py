@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import KernelBuildError
 from . import isa_units
 from .packing import PackedWeight
 
@@ -31,10 +32,6 @@ _CSRC = Path(__file__).parent / "csrc"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 FORCE_ISA = "MARGINGATE_FORCE_ISA"
 ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")  # the linear's paths, fastest first
-
-
-class KernelBuildError(RuntimeError):
-    """The invariant kernels could not be built or cannot run on this CPU."""
 
 
 class IsaError(KernelBuildError):

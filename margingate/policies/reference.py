@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.policy import Policy, Promise
+from ..engine.policy import Policy, VerifyJob
 from ..engine.sequence import Sequence
-from ..engine.verifier import VerifyJob
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the verifier's precisions (options.PRECISIONS)
 
 
 class ReferencePolicy(Policy):
@@ -20,12 +19,8 @@ class ReferencePolicy(Policy):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.precision = PRECISIONS[spec.verifier_precision]
+        self.precision = DTYPES[spec.verifier_precision]
         self.exact_attention = self.precision == torch.bfloat16
-
-    @classmethod
-    def promise_for(cls, spec) -> Promise:
-        return Promise(deterministic=True)
 
     def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
         if self.exact_attention:

@@ -23,13 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.policy import Policy, PolicyState, Promise
+from ..engine.policy import Policy, PolicyState, VerifyJob
 from ..engine.sequence import Sequence
-from ..engine.verifier import VerifyJob
 from ..kv_cache import Column
-from .reference import PRECISIONS
-
-REPAIRS = ("replay", "column", "column-always", "none")
+from .reference import DTYPES
 
 
 @dataclass
@@ -69,15 +66,10 @@ class VerifyingPolicy(Policy):
     def __init__(self, spec):
         super().__init__(spec)
         self.repair, self.strict = spec.repair, spec.strict
-        self.precision = PRECISIONS[spec.verifier_precision]
+        self.precision = DTYPES[spec.verifier_precision]
         #: testing aid (LLM-42's skip-mismatch): emit the fast top-2 instead of top-1 once, at this
         #: output index and without triggering, so that the repair has a real missed flip to find
         self.inject_flip_at = spec.inject_flip_at
-
-    @classmethod
-    def promise_for(cls, spec) -> Promise:
-        # only the strict replay checks every emitted token against the verifier
-        return Promise(deterministic=spec.repair == "replay" and spec.strict, verifies=True)
 
     def new_state(self, seq: Sequence) -> VerifyState:
         return VerifyState(canonical_len=seq.prompt_len)  # the prompt is prefilled by the invariant kernels

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from .config import ServerConfig
 from .errors import json_error
 from .guard import Guard

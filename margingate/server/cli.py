@@ -9,7 +9,7 @@ import sys
 
 from .. import cli_args
 from ..distributed.options import add_ray_args
-from ..policies import deterministic_policies
+from ..options import deterministic_policies
 from .config import ServerConfig
 
 LOOPBACK_NAMES = {"localhost"}

@@ -12,9 +12,15 @@ from starlette.concurrency import run_in_threadpool
 from ..data.prompts import Prompt
 from ..engine import Request
 from ..engine.policy import Policy
-from ..engine.sampling import SamplingError, SamplingParams
-from ..engine.speculative import SpeculativeConfig, SpeculativeError
-from ..policies import PolicyOptionError, PolicySpec, deterministic_policies
+from ..options import (
+    PolicyOptionError,
+    PolicySpec,
+    SamplingError,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeError,
+    deterministic_policies,
+)
 from .jobs import Choice, Job
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
 from .state import ServerState

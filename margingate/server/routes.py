@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..policies import PolicySpec
+from ..options import PolicySpec
 from .errors import json_error
 from .jobs import Job, abort_all, complete, next_event
 from .metrics import CONTENT_TYPE

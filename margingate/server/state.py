@@ -5,7 +5,7 @@ import threading
 import time
 
 from ..data.prompts import Prompt
-from ..engine import Engine
+from ..engine.engine import Engine
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
 from .metrics import Metrics

@@ -28,8 +28,8 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine import Engine, Request, Result
-from ..engine.engine import StreamEvent
+from ..engine import Request, Result
+from ..engine.engine import Engine, StreamEvent
 from .config import ServerConfig
 from .metrics import BATCH_BUCKETS, Metrics
 

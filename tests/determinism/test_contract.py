@@ -18,9 +18,10 @@ import torch
 from prompt_sets import HET8
 
 from determinism.contract import Alone, assert_same_tokens
-from margingate.engine import Engine, EngineConfig, Request
+from margingate.engine import Request
+from margingate.engine.engine import Engine, EngineConfig
 from margingate.kernels import layers, library
-from margingate.policies import AUTO, deterministic_policies
+from margingate.options import AUTO, deterministic_policies
 
 NEW = 20  # tokens per request: past one dvr window (16), and long enough for the controls' flips
 POLICIES = [name for name in deterministic_policies() if name != AUTO]  # `auto` names one of these per device

@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+from ..paths import cache_root
+
 CONTENDERS = ("fast", "batch-invariant", "margin")
 
 
@@ -24,8 +26,6 @@ def gpu_name(device: str) -> str | None:
 
 
 def rule_path(gpu: str) -> Path:
-    from ..models.loader import cache_root
-
     return cache_root() / "auto" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu)}.json"
 
 

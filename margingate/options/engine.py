@@ -1,0 +1,30 @@
+"""`EngineConfig`: how an engine is sized (batch, context, threads, prefill chunks, prefix cache)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the prefix cache's size when a command turns it on (prefix_cache.py); SmolLM2-135M: ~23 KB of K/V per
+#: position, ~370 MB in all
+PREFIX_CACHE_TOKENS = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_size: int = 16      # decode rows per step = KV slots
+    max_model_len: int = 2048     # positions per slot (prompt + output)
+    num_threads: int | None = None  # torch CPU threads; None: all cores
+    prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
+    prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
+    # speculative rows only where the step profile says they pay (step_profile.py); False: every
+    # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
+    speculative_cost_model: bool = True
+
+    def __post_init__(self):
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
