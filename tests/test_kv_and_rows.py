@@ -82,12 +82,12 @@ def test_sequence_rollback():
     seq.state = VerifyState(canonical_len=7, flagged={6, 7})
     seq.output_ids = [21, 22, 23, 24, 25]
     seq.released = 5
-    assert (seq.num_tokens, seq.last_pos, seq.token_at(1), seq.token_at(4), seq.slot) == (8, 7, 12, 22, 1)
+    assert (seq.num_tokens, seq.last_fed_pos, seq.token_at(1), seq.token_at(4), seq.slot) == (8, 7, 12, 22, 1)
     assert seq.tokens(2, 5) == [13, 21, 22]
 
     seq.rollback(5)
     assert seq.output_ids == [21, 22]
-    assert seq.num_tokens == 5 and seq.last_pos == 4
+    assert seq.num_tokens == 5 and seq.last_fed_pos == 4 and seq.next_pos == 5
     assert seq.released == 2
     assert torch.equal(kv.k, k_before)
     assert seq.state.canonical_len == 7 and seq.state.flagged == {6, 7}

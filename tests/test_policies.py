@@ -122,7 +122,7 @@ def test_dvr_padded_pass_is_independent_of_its_neighbours(llm, ids):
             for i, x in enumerate(ids[:3])]
     for _ in range(8):
         engine.step()
-    job = lambda s: VerifyJob(s, s.prompt_len, s.last_pos - 1, torch.bfloat16, pad_to=8, group=4)  # noqa: E731
+    job = lambda s: VerifyJob(s, s.prompt_len, s.last_fed_pos - 1, torch.bfloat16, pad_to=8, group=4)  # noqa: E731
     alone = engine.verifier.recompute([job(seqs[0])])[0]
     together = engine.verifier.recompute([job(s) for s in seqs])[0]
     assert torch.equal(alone, together)

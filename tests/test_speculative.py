@@ -17,7 +17,8 @@ from margingate.engine import Request
 from margingate.engine.proposers import NgramProposer
 from margingate.engine.step_profile import StepProfile
 from margingate.llm import LLM
-from margingate.options import SamplingParams, SpeculativeConfig, SpeculativeError
+from margingate.options import PolicySpec, SamplingParams, SpeculativeConfig, SpeculativeError
+from margingate.policies import POLICIES, build
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
 COPYING = [f"Repeat this code exactly, then rename add to plus:\n{CODE}",
@@ -69,9 +70,52 @@ def test_speculative_equals_plain_bitwise(llm, copying, policy, sampling, monkey
     for i in range(3):
         assert mixed[i][:2] == plain[i][:2], f"request {i}"
     stats = alone[2]
-    assert stats["speculation_exact"] is True and stats["proposed_tokens"] > 0
-    if sampling.temperature == 0:
-        assert stats["accepted_tokens"] > 0 and stats["speculative_steps"] < len(alone[0])
+    # drafts were accepted, so rows after d1..di chose tokens: the rows this test exists for (seeded:
+    # penalties over d1..di, noise keyed at each row's own position) really ran and agreed
+    assert stats["speculation_exact"] is True and stats["accepted_tokens"] > 0
+    assert stats["speculative_steps"] < len(alone[0])
+
+
+def test_a_step_that_fails_mid_speculation_leaves_the_sequence_as_it_was(llm, copying, monkeypatch):
+    """The drafts are never the sequence's until accepted: a forward that raises after the proposals
+    were made leaves its tokens, logprobs, counts and speculation figures as before the step, and the
+    request then decodes on to the plain output."""
+    feed_every_proposal(llm, monkeypatch)
+    plain = run(llm, copying[:1], "batch-invariant", SEEDED, [None], tokens=12)[0]
+    engine = llm.engine
+    seq = engine.add_request(Request(copying[0], 12, llm.policy("batch-invariant"), request_id="fails",
+                                     sampling=SEEDED, speculative=NGRAM))
+    while seq.speculation.steps < 1:  # into the decode, where the copied text gives proposals
+        engine.step()
+
+    def state():
+        s = seq.speculation
+        return (list(seq.output_ids), list(seq.drafts), list(seq.logprobs), seq.num_tokens, seq.steps,
+                s.steps, s.proposed, s.accepted, seq.finish_reason)
+
+    before, fed, forward = state(), [], engine.runner.step
+
+    def failing(prefills, batch):
+        fed.append(list(seq.drafts))
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(engine.runner, "step", failing)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        engine.step()
+    assert fed[0], "the failed step carried proposals"
+    assert state() == before
+    monkeypatch.setattr(engine.runner, "step", forward)
+    while seq.finish_reason is None:
+        engine.step()
+    assert (seq.output_ids, seq.logprobs) == (plain[0], plain[1])
+
+
+def test_the_policies_that_speculate_say_so():
+    """Speculation commits accepted drafts with no verifier job: only the policies that never verify a
+    step speculate, an explicit list (fp32 reference recomputes every step in the verifier)."""
+    assert {name for name in POLICIES if build(PolicySpec(name)).speculates} == {
+        "fast", "fast-library", "reference", "batch-invariant", "layercast"}
+    assert not build(PolicySpec("reference", verifier_precision="fp32")).speculates
 
 
 def test_verifying_policies_decode_without_speculation_and_say_so(llm, copying):
@@ -156,7 +200,10 @@ def test_draft_proposer_equals_plain(copying, tiny_draft, draft, monkeypatch):
                                   draft_model=str(tiny_draft) if draft == "tiny" else draft), monkeypatch)
     spec = SpeculativeConfig("draft", num_tokens=3)
     plain = run(llm, copying[:2], "batch-invariant", SamplingParams(), [None, None], tokens=16)
+    before = Request([1]).request_id
     drafted = run(llm, copying[:2], "batch-invariant", SamplingParams(), [spec, None], tokens=16)
+    after = Request([1]).request_id  # the draft's own sequences took no default id of the user's
+    assert int(after.removeprefix("req-")) == int(before.removeprefix("req-")) + 1
     assert [d[0] for d in drafted] == [p[0] for p in plain]
     stats = drafted[0][2]
     assert stats["proposed_tokens"] > 0

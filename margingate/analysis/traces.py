@@ -9,7 +9,7 @@ references run in batches).
 
 Step bookkeeping: output token 0 comes from the prefill (identical everywhere); decode
 step k (k >= 1) computes the logits that choose output token k and writes the K/V column
-of output token k-1 (the position of the last token, `seq.last_pos`).
+of output token k-1 (the position of the last token, `seq.last_fed_pos`).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Trace:
         v, i = torch.topk(logits.float(), TOPK)
         self.topv.append(v.numpy())
         self.topi.append(i.numpy().astype(np.int32))
-        k, vv = seq.cache.read(seq.last_pos)
+        k, vv = seq.cache.read(seq.last_fed_pos)
         if keep_columns:
             self.cols.append(torch.stack([k, vv]))
         if ref is not None and s < len(ref["topi"]):
@@ -78,9 +78,9 @@ class TraceReference(ReferencePolicy):
         super().__init__(PolicySpec("reference"))
         self.trace = trace
 
-    def commit(self, seq, logits, verified):
-        self.trace.record(seq, logits if verified is None else verified[-1], None, keep_columns=True)
-        super().commit(seq, logits, verified)
+    def commit(self, seq, step, verified):
+        self.trace.record(seq, (step if verified is None else verified).scores[-1], None, keep_columns=True)
+        super().commit(seq, step, verified)
 
 
 class TraceFast(FastPolicy):
@@ -90,9 +90,9 @@ class TraceFast(FastPolicy):
         super().__init__(PolicySpec("fast"))
         self.trace, self.ref = trace, ref
 
-    def commit(self, seq, logits, verified):
-        self.trace.record(seq, logits, self.ref, keep_columns=False)
-        super().commit(seq, logits, verified)
+    def commit(self, seq, step, verified):
+        self.trace.record(seq, step.scores[-1], self.ref, keep_columns=False)
+        super().commit(seq, step, verified)
 
 
 class OracleRepair(FastPolicy):
@@ -102,18 +102,18 @@ class OracleRepair(FastPolicy):
         super().__init__(PolicySpec("fast"))
         self.trace, self.ref, self.fire_at = trace, ref, set(fire_at)
 
-    def commit(self, seq, logits, verified):
+    def commit(self, seq, step, verified):
         k = len(seq.output_ids)
         s = k - 1
         if k in self.fire_at and s < len(self.ref["cols"]) and k < len(self.ref["tokens"]):
             col = self.ref["cols"][s]
-            seq.cache.overwrite(seq.last_pos, (col[0], col[1]))
-            self.trace.fired.append((k, int(torch.argmax(logits)) != self.ref["tokens"][k]))
-            self.trace.record(seq, logits, self.ref, keep_columns=False)
+            seq.cache.overwrite(seq.last_fed_pos, (col[0], col[1]))
+            self.trace.fired.append((k, step.tokens[-1] != self.ref["tokens"][k]))
+            self.trace.record(seq, step.scores[-1], self.ref, keep_columns=False)
             seq.output_ids.append(int(self.ref["tokens"][k]))
             return
-        self.trace.record(seq, logits, self.ref, keep_columns=False)
-        seq.output_ids.append(int(torch.argmax(logits)))
+        self.trace.record(seq, step.scores[-1], self.ref, keep_columns=False)
+        seq.output_ids.append(step.tokens[-1])
 
 
 def _traced(build) -> tuple:

@@ -15,6 +15,7 @@ from ..models.llama import LlamaModel
 from ..options.speculative import SpeculativeError
 from .proposers import Proposer
 from .runner import Runner, Span
+from .sampling import choose
 from .sequence import Request, Sequence
 
 
@@ -54,20 +55,21 @@ class DraftProposer(Proposer):
             if a != b:
                 break
             common += 1
-        mirror = Sequence(Request(list(tokens)), policy=None, stop_ids=frozenset(),
-                          cache=self.draft.kv.view(self.slot))
+        # a named id: the draft's sequences take none from the counter of the user's requests
+        mirror = Sequence(Request(list(tokens), request_id=f"draft-{self.slot}"), policy=None,
+                          stop_ids=frozenset(), cache=self.draft.kv.view(self.slot))
         drafts, start = [], common
         for _ in range(k):
-            row = self._forward(mirror, start)
-            drafts.append(int(torch.argmax(row)))
-            start = mirror.num_tokens
+            drafts.append(choose(mirror, self._forward(mirror, start), mirror.last_fed_pos).tokens[0])  # greedy
+            start = mirror.next_pos
             mirror.output_ids.append(drafts[-1])
-        self.cached = mirror.tokens(0, mirror.num_tokens - 1)  # the last draft was never fed
+        self.cached = mirror.tokens(0, mirror.last_fed_pos)  # the last draft was never fed
         return drafts
 
     def _forward(self, mirror: Sequence, start: int) -> torch.Tensor:
-        span = Span(mirror, start, mirror.num_tokens, exact_attention=True, invariant_kernels=True)
-        return self.draft.runner.forward([span], torch.bfloat16, True)[0][-1]
+        """The row of the last token, fed with those from `start` on."""
+        span = Span(mirror, start, mirror.next_pos, exact_attention=True, invariant_kernels=True)
+        return self.draft.runner.forward([span], torch.bfloat16, True)[0]
 
     def close(self) -> None:
         self.draft.kv.release(self.slot)

@@ -17,13 +17,13 @@ from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
 from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
-from .sampling import scores
+from .sampling import Choice, choose
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 from .speculative import accept, off_reason, propose
 from .step_profile import StepProfile
 from .stops import StopStrings
-from .verifier import Verified, Verifier
+from .verifier import Verifier
 
 PHASES = ("prefill", "decode", "verify")
 
@@ -148,15 +148,19 @@ class Engine:
             self.step_count += 1
             return self._finished
         rows = self._speculate(batch)
-        t = time.perf_counter()
-        out = self.runner.step(prefills, batch)
-        seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
-        if batch and not prefills:
-            self.step_profile.observe(rows, seconds)
-        self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
-        started = self._prefilled(prefills, out[:len(prefills)])
-        if batch:
-            self._decode(batch, out[len(prefills):])
+        try:
+            t = time.perf_counter()
+            out = self.runner.step(prefills, batch)
+            seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
+            if batch and not prefills:
+                self.step_profile.observe(rows, seconds)
+            self.totals["prefill"].rows += sum(b - a for _, a, b in prefills)
+            started = self._prefilled(prefills, out[:len(prefills)])
+            if batch:
+                self._decode(batch, out[len(prefills):])
+        finally:
+            for seq in batch:  # proposals are never the sequence's: a step that fails leaves none behind
+                seq.drafts = []
         self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
         self.step_count += 1
         return self._finished
@@ -183,8 +187,9 @@ class Engine:
             if end < seq.prompt_len:
                 continue
             if seq.request.max_new_tokens:  # the prompt's last row chooses the first token
-                seq.output_ids.append(int(torch.argmax(scores(seq, rows[-1], seq.prompt_len))))
-                self._record(seq, seq.prompt_len - 1, rows[-1:])
+                choice = choose(seq, rows[-1:], seq.last_fed_pos)
+                seq.output_ids.append(choice.tokens[0])
+                self._record(seq, choice)
                 seq.cut_at_stop()
             if self.prefix is not None:  # the prompt path's K/V, before any decode write
                 self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
@@ -215,10 +220,9 @@ class Engine:
         others the policies propose, verify, commit."""
         plain = []
         for seq, rows in zip(batch, out):
-            if seq.drafted:
+            if seq.drafts:
                 seq.steps += 1
-                first = seq.num_tokens - seq.drafted - 1  # the last token's position, the span's first
-                self._record(seq, first, accept(seq, rows))
+                self._record(seq, accept(seq, rows))
                 seq.cut_at_stop()  # the step may have accepted tokens past a stop string
             else:
                 plain.append((seq, rows[-1]))
@@ -226,32 +230,32 @@ class Engine:
             self._policies_decode(*map(list, zip(*plain)))
 
     def _policies_decode(self, batch: list[Sequence], rows: list[torch.Tensor]) -> None:
-        logits = torch.stack([scores(s, row, s.num_tokens) for s, row in zip(batch, rows)])
-        jobs = [seq.policy.propose(seq, row) for seq, row in zip(batch, logits)]
+        steps = [choose(s, row[None], s.last_fed_pos) for s, row in zip(batch, rows)]
+        jobs = [seq.policy.propose(seq, step) for seq, step in zip(batch, steps)]
         if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
-            jobs = [job or seq.policy.join(seq, row) for seq, row, job in zip(batch, logits, jobs)]
+            jobs = [job or seq.policy.join(seq, step) for seq, step, job in zip(batch, steps, jobs)]
         verified = self._verify([j for j in jobs if j is not None])
-        for seq, row, raw, job in zip(batch, logits, rows, jobs):
+        for seq, step, job in zip(batch, steps, jobs):
             seq.steps += 1
             rows_of = verified.get(id(job))
-            seq.policy.commit(seq, row, None if rows_of is None else rows_of.scores)
+            seq.policy.commit(seq, step, rows_of)
             if rows_of is not None:  # the verifier's rows replace the fast ones they recomputed
-                self._record(seq, job.start, rows_of.logits)
+                self._record(seq, rows_of)
             if len(seq.logprobs) < len(seq.output_ids):
-                self._record(seq, seq.num_tokens - 2, raw[None])
+                self._record(seq, step)
             seq.cut_at_stop()
 
-    def _record(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
-        """Logprobs of the output tokens that rows (at positions first, first + 1, ...) choose."""
-        k = seq.request.sampling.logprobs
-        lo, hi = max(first + 1, seq.prompt_len), min(first + 1 + rows.shape[0], seq.num_tokens)
+    def _record(self, seq: Sequence, choice: Choice) -> None:
+        """Logprobs, from `choice`'s raw rows, of the output tokens they chose that the output still holds."""
+        k, chosen = seq.request.sampling.logprobs, choice.positions
+        lo, hi = max(chosen.start, seq.prompt_len), min(chosen.stop, seq.num_tokens)
         if k is None or lo >= hi:
             return
-        entries = logprobs_of(rows[lo - first - 1:hi - first - 1], seq.tokens(lo, hi), k)
+        entries = logprobs_of(choice.logits[lo - chosen.start:hi - chosen.start], seq.tokens(lo, hi), k)
         at = lo - seq.prompt_len
         seq.logprobs[at:at + len(entries)] = entries
 
-    def _verify(self, jobs: list[VerifyJob]) -> dict[int, Verified]:
+    def _verify(self, jobs: list[VerifyJob]) -> dict[int, Choice]:
         """Each job's rows, keyed by id(job): one verifier pass (or one per precision / group)."""
         if not jobs:
             return {}
@@ -268,9 +272,9 @@ class Engine:
             still = []
             for seq in stopping:
                 job = jobs[id(seq)]
-                confirmed = job is None or seq.policy.confirm_finish(seq, verified[id(job)].scores)
+                confirmed = job is None or seq.policy.confirm_finish(seq, verified[id(job)])
                 if job is not None:
-                    self._record(seq, job.start, verified[id(job)].logits)
+                    self._record(seq, verified[id(job)])
                 if confirmed:
                     seq.finish_reason = seq.should_stop(self.max_len) or "stop"
                     self._retire(seq)

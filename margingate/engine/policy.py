@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..options.policy import PolicySpec, Promise
+from .sampling import Choice
 from .sequence import Sequence
 
 
@@ -27,9 +28,10 @@ from .sequence import Sequence
 class VerifyJob:
     """Recompute positions [start, end] of `seq` with the verifier's kernels, in `precision`.
 
-    The pass writes the K/V of those positions (canonical columns) and returns one logits row
-    per position. `pad_to` fixes the job's shape: padded to that many rows and grouped with up
-    to `group` jobs, the group padded with dummy jobs.
+    The pass feeds the tokens at those positions, writes their K/V (canonical columns) and returns
+    one row per position (`Choice`: row i chooses the token at start + i + 1). `pad_to` fixes the
+    job's shape: padded to that many rows and grouped with up to `group` jobs, the group padded with
+    dummy jobs.
     """
     seq: Sequence
     start: int
@@ -61,6 +63,9 @@ class Policy:
     library_kernels = False
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
+    #: its requests may speculate (`speculative.py`): drafts are accepted row by row through `commit`
+    #: with no job, so only a policy that never verifies a step and whose rows are final says so
+    speculates = False
 
     def __init__(self, spec: PolicySpec):
         self.spec = spec
@@ -86,24 +91,25 @@ class Policy:
     def new_state(self, seq: Sequence) -> PolicyState:
         return PolicyState()
 
-    def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
-        """Look at this step's fp32 logits. Return a job to verify, or None."""
+    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
+        """Look at this step's row (`step.scores`: its fp32 logits with the request's sampling applied;
+        `step.tokens`: its choice). Return a job to verify, or None."""
         return None
 
-    def join(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+    def join(self, seq: Sequence, step: Choice) -> VerifyJob | None:
         """A verifier pass runs this step anyway (another request asked for it): return a job
         to ride along, or None. Joining costs rows but no extra pass."""
         return None
 
-    def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
-        """Append this step's token; `verified` holds the job's logits rows if a job ran."""
-        seq.output_ids.append(int(torch.argmax(logits)))
+    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
+        """Append this step's token; `verified` holds the job's rows if a job ran."""
+        seq.output_ids.append(step.tokens[-1])
 
     def finish_job(self, seq: Sequence) -> VerifyJob | None:
         """A stop condition was met: return a job to re-check before finishing, or None."""
         return None
 
-    def confirm_finish(self, seq: Sequence, verified: torch.Tensor) -> bool:
+    def confirm_finish(self, seq: Sequence, verified: Choice) -> bool:
         """After the finish job ran: True if the request really finishes."""
         return True
 

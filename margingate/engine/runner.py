@@ -28,6 +28,9 @@ class Span:
     exact_attention: bool         # attend over exactly its own prefix (else: the padded batched call)
     invariant_kernels: bool       # needs the invariant Linear/norm kernels
     logits_rows: int = 1
+    # proposals fed after the sequence's own tokens (speculation): the span's last len(drafts) positions,
+    # which are not the sequence's until accepted
+    drafts: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -64,10 +67,11 @@ class Runner:
         """A request's decode rows: [last token] or, speculating, [last token, d1..dk] (exact attention,
         so each row is the row of decoding its position alone). A row that need not be exact takes the
         faster kernel set here: ours on CPU, the library's on CUDA (`LlamaModel.invariant_is_fastest`)."""
-        exact = seq.policy.exact_attention or seq.drafted > 0
-        return Span(seq, seq.last_pos - seq.drafted, seq.num_tokens, exact_attention=exact,
+        drafts = tuple(seq.drafts)
+        exact = seq.policy.exact_attention or bool(drafts)
+        return Span(seq, seq.last_fed_pos, seq.next_pos + len(drafts), exact_attention=exact,
                     invariant_kernels=not seq.policy.library_kernels and (exact or self.model.invariant_is_fastest),
-                    logits_rows=seq.drafted + 1)
+                    logits_rows=len(drafts) + 1, drafts=drafts)
 
     def forward(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
@@ -78,7 +82,7 @@ class Runner:
                 tokens += [0] * span.rows
                 slots += [self.scratch_slot] * span.rows
             else:
-                tokens += span.seq.tokens(span.start, span.end)
+                tokens += span.seq.tokens(span.start, span.end - len(span.drafts)) + list(span.drafts)
                 slots += [span.seq.slot] * span.rows
             positions += range(span.start, span.end)
             (exact if span.exact_attention else batched).extend(range(first, len(tokens)))

@@ -79,7 +79,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     speculation: SpeculationStats | None = None  # if the request speculates
     proposer: Proposer | None = None
-    drafted: int = 0                       # proposals appended for this step's forward, not yet accepted
+    # this step's proposals (speculation), fed after the last token: not output, and not counted by
+    # num_tokens, tokens() or should_stop, until `speculative.accept` keeps them
+    drafts: list[int] = field(default_factory=list)
     stops: StopStrings | None = None       # the request's stop strings, with the engine's detokenizer
     stop_at: int | None = None             # output tokens up to the one completing a stop string
 
@@ -100,9 +102,14 @@ class Sequence:
         return None if self.cache is None else self.cache.slot
 
     @property
-    def last_pos(self) -> int:
-        """Position of the last token: the next decode step's input, whose K/V that step writes.
-        The token that step emits goes to position `num_tokens`."""
+    def next_pos(self) -> int:
+        """The position the next chosen token takes."""
+        return self.num_tokens
+
+    @property
+    def last_fed_pos(self) -> int:
+        """The position a decode step feeds: the last token's, whose K/V that step writes and whose
+        row chooses the token at `next_pos`."""
         return self.num_tokens - 1
 
     def token_at(self, pos: int) -> int:

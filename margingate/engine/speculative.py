@@ -8,9 +8,13 @@ token that plain decoding would choose after d1..di. The engine accepts drafts w
 those choices and emits the first choice that differs: the output is the plain output, fewer
 passes over the weights.
 
-It applies to requests whose plain decode rows are already canonical (`batch-invariant`, bf16
-`reference`) and to `fast` (which promises nothing either way). A verifying policy decodes on the
-fast path and repairs later; its requests decode without speculation, and the report says so.
+The drafts wait in `seq.drafts`, never in the output: until `accept` commits them they count in no
+length, stop condition or history, and a step that fails leaves the sequence as it was.
+
+It applies to the policies that say so (`Policy.speculates`): those whose plain decode rows are already
+canonical (`batch-invariant`, bf16 `reference`) and those that promise nothing either way (`fast`,
+`fast-library`, `layercast`). A verifying policy decodes on the fast path and repairs later; its
+requests decode without speculation, and the report says so.
 """
 from __future__ import annotations
 
@@ -18,48 +22,46 @@ import time
 
 import torch
 
-from .sampling import scores
+from .sampling import Choice, choose
 from .sequence import Sequence
 
 
 def off_reason(policy) -> str | None:
-    """Why a request under `policy` decodes without speculation (None: it speculates)."""
+    """Why a request under `policy` decodes without speculation (None: it speculates). The policies that
+    speculate say so (`Policy.speculates`): each accepted draft goes through their `commit` with no job."""
+    if policy.speculates:
+        return None
     if policy.verifies:
         return (f"policy {policy.name} decodes on the fast path and verifies later; its requests decode "
                 f"without speculation")
-    if policy.deterministic and not policy.exact_attention:
-        return f"policy {policy.name} recomputes every step in the verifier"
-    return None
+    return f"policy {policy.name} recomputes every step in the verifier"
 
 
 def propose(seq: Sequence, k: int) -> int:
-    """Append up to k of the proposer's guesses to `seq` (the step's forward feeds them); their count."""
+    """Up to k of the proposer's guesses into `seq.drafts` (the step's forward feeds them); their count."""
     stats = seq.speculation
     t = time.perf_counter()
-    drafts = seq.proposer.propose(seq.tokens(0, seq.num_tokens), k)
+    seq.drafts = seq.proposer.propose(seq.tokens(0, seq.next_pos), k)
     stats.seconds += time.perf_counter() - t
-    seq.output_ids += drafts
-    seq.drafted = len(drafts)
-    return len(drafts)
+    return len(seq.drafts)
 
 
-def accept(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-    """The step's rows for [last token, d1..dm] came back: keep the drafts while they are what the
+def accept(seq: Sequence, rows: torch.Tensor) -> Choice:
+    """The step's rows for [last token, d1..dm] came back: commit the drafts while they are what the
     request's sampling chooses at their position, then the first choice that differs (or the one
-    after the last draft). Returns the rows whose choices were kept."""
-    m, stats = seq.drafted, seq.speculation
-    base = seq.num_tokens - m   # the position d1 takes
-    drafts = seq.output_ids[base - seq.prompt_len:]
-    chosen = scores(seq, logits, base).argmax(-1).tolist()  # row i: penalties see d1..di, as plain decoding
-    keep = []
-    for i, token in enumerate(chosen):
-        keep.append(token)
+    after the last draft). Returns what the rows chose (its tokens past the committed ones unused)."""
+    drafts, stats = seq.drafts, seq.speculation
+    choice = choose(seq, rows, seq.last_fed_pos, drafts)  # row i: penalties see d1..di, as plain decoding
+    kept = 0
+    for i, token in enumerate(choice.tokens):
+        kept += 1
         stop = token in seq.stop_ids and not seq.request.ignore_eos
-        if i == m or token != drafts[i] or stop:
+        if i == len(drafts) or token != drafts[i] or stop:
             break
-    del seq.output_ids[base - seq.prompt_len:]
-    seq.output_ids += keep
-    seq.drafted = 0
-    accepted = sum(1 for a, b in zip(keep, drafts) if a == b)
-    stats.steps, stats.proposed, stats.accepted = stats.steps + 1, stats.proposed + m, stats.accepted + accepted
-    return logits[:len(keep)]
+    seq.drafts = []
+    for i in range(kept):
+        seq.policy.commit(seq, choice.row(i), None)
+    accepted = sum(1 for a, b in zip(choice.tokens[:kept], drafts) if a == b)
+    stats.steps, stats.proposed, stats.accepted = (stats.steps + 1, stats.proposed + len(drafts),
+                                                   stats.accepted + accepted)
+    return choice

@@ -13,30 +13,21 @@ many of its rows are real.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .policy import VerifyJob
 from .runner import Runner, Span
-from .sampling import scores
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """A job's rows: the scores its policy chooses from (sampling applied) and the raw logits."""
-    scores: torch.Tensor
-    logits: torch.Tensor
+from .sampling import Choice, choose
 
 
 class Verifier:
     def __init__(self, runner: Runner):
         self.runner = runner
 
-    def run(self, jobs: list[VerifyJob]) -> dict[int, Verified]:
-        """Every job's rows, keyed by id(job)."""
+    def run(self, jobs: list[VerifyJob]) -> dict[int, Choice]:
+        """Every job's rows and what they choose, keyed by id(job)."""
         logits = self.recompute(jobs)
-        return {id(j): Verified(scores(j.seq, rows, j.start + 1), rows) for j, rows in zip(jobs, logits)}
+        return {id(j): choose(j.seq, rows, j.start) for j, rows in zip(jobs, logits)}
 
     def recompute(self, jobs: list[VerifyJob]) -> list[torch.Tensor]:
         """Every job's raw logits rows, in order."""

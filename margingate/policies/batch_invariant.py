@@ -12,3 +12,4 @@ from ..engine.policy import Policy
 class BatchInvariantPolicy(Policy):
     name = "batch-invariant"
     exact_attention = True
+    speculates = True

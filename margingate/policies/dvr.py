@@ -9,8 +9,7 @@ instead of "the margin is small".
 """
 from __future__ import annotations
 
-import torch
-
+from ..engine.sampling import Choice
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -26,11 +25,11 @@ class DVRPolicy(VerifyingPolicy):
     def settings(self) -> dict:
         return {"window": self.window, "group": self.group, "verifier_precision": self.spec.verifier_precision}
 
-    def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        return seq.num_tokens - seq.state.canonical_len >= self.window
+    def gate(self, seq: Sequence, step: Choice) -> bool:
+        return seq.next_pos - seq.state.canonical_len >= self.window
 
-    def propose(self, seq, logits):
-        job = super().propose(seq, logits)
+    def propose(self, seq: Sequence, step: Choice):
+        job = super().propose(seq, step)
         if job is not None:
             job.group = self.group
         return job

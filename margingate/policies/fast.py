@@ -13,8 +13,10 @@ from ..engine.policy import Policy
 
 class FastPolicy(Policy):
     name = "fast"
+    speculates = True
 
 
 class FastLibraryPolicy(Policy):
     name = "fast-library"
     library_kernels = True
+    speculates = True

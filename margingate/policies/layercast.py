@@ -14,3 +14,4 @@ class LayerCastPolicy(Policy):
     name = "layercast"
     compute_dtype = torch.float32
     library_kernels = True  # Yuan et al.'s fp32 GEMMs, as PyTorch computes them
+    speculates = True

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..engine.sampling import Choice
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -41,25 +42,25 @@ class MarginPolicy(VerifyingPolicy):
     def settings(self) -> dict:
         return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
 
-    def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        margin = margin_of(logits)
+    def gate(self, seq: Sequence, step: Choice) -> bool:
+        margin = margin_of(step.scores[-1])
         seq.state.min_margin = min(seq.state.min_margin, margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
 
-    def propose(self, seq: Sequence, logits: torch.Tensor):
+    def propose(self, seq: Sequence, step: Choice):
         if not self.defer:
-            return super().propose(seq, logits)
+            return super().propose(seq, step)
         if self.injecting(seq):
             return None
         state = seq.state
-        if self.gate(seq, logits):
+        if self.gate(seq, step):
             state.triggers += 1
-            state.flagged.add(seq.num_tokens)  # the position of the token this step emits
-        if state.flagged and seq.num_tokens - min(state.flagged) >= self.defer:
+            state.flagged.add(seq.next_pos)  # the position of the token this step emits
+        if state.flagged and seq.next_pos - min(state.flagged) >= self.defer:
             return self.job(seq)
         return None
 
-    def join(self, seq: Sequence, logits: torch.Tensor):
+    def join(self, seq: Sequence, step: Choice):
         return self.job(seq) if self.defer and not self.injecting(seq) else None
 
 

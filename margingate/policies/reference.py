@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.policy import Policy, VerifyJob
+from ..engine.sampling import Choice
 from ..engine.sequence import Sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the verifier's precisions (options.PRECISIONS)
@@ -21,15 +22,15 @@ class ReferencePolicy(Policy):
         super().__init__(spec)
         self.precision = DTYPES[spec.verifier_precision]
         self.exact_attention = self.precision == torch.bfloat16
+        self.speculates = self.exact_attention  # in fp32 the verifier recomputes every step
 
-    def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
         if self.exact_attention:
             return None
-        return VerifyJob(seq, seq.last_pos, seq.last_pos, self.precision)
+        return VerifyJob(seq, seq.last_fed_pos, seq.last_fed_pos, self.precision)
 
-    def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
-        row = logits if verified is None else verified[-1]
-        seq.output_ids.append(int(torch.argmax(row)))
+    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
+        seq.output_ids.append((step if verified is None else verified).tokens[-1])
 
     def settings(self) -> dict:
         return {"verifier_precision": self.spec.verifier_precision}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.policy import Policy, PolicyState, VerifyJob
+from ..engine.sampling import Choice
 from ..engine.sequence import Sequence
 from ..kv_cache import Column
 from .reference import DTYPES
@@ -77,60 +78,58 @@ class VerifyingPolicy(Policy):
     def settings(self) -> dict:
         return {"repair": self.repair, "verifier_precision": self.spec.verifier_precision, "strict": self.strict}
 
-    def gate(self, seq: Sequence, logits: torch.Tensor) -> bool:
+    def gate(self, seq: Sequence, step: Choice) -> bool:
         """Verify this step?"""
         raise NotImplementedError
 
     def injecting(self, seq: Sequence) -> bool:
         return self.inject_flip_at == len(seq.output_ids) and not seq.state.injected
 
-    def propose(self, seq: Sequence, logits: torch.Tensor) -> VerifyJob | None:
+    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
         if self.injecting(seq):
             return None
-        if not self.gate(seq, logits):
+        if not self.gate(seq, step):
             return None
         seq.state.triggers += 1
         return self.job(seq)
 
     def job(self, seq: Sequence) -> VerifyJob:
         """Verify this step's token (with `replay`, everything since the last canonical position)."""
-        pos = seq.last_pos
+        pos = seq.last_fed_pos
         if self.repair == "replay":
             return VerifyJob(seq, seq.state.canonical_len, pos, self.precision, self.pad_to)
         if self.repair != "column-always":
             seq.state.pending = seq.cache.read(pos)  # the fast column, maybe restored
         return VerifyJob(seq, pos, pos, self.precision)
 
-    def commit(self, seq: Sequence, logits: torch.Tensor, verified: torch.Tensor | None) -> None:
+    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
         state: VerifyState = seq.state
-        fast_token = int(torch.argmax(logits))
+        fast_token = step.tokens[-1]
         if verified is None:
             if self.injecting(seq):
                 state.injected = 1
-                fast_token = int(torch.topk(logits, 2).indices[1])
+                fast_token = int(torch.topk(step.scores[-1], 2).indices[1])
             seq.output_ids.append(fast_token)
             return
-        state.replayed_tokens += verified.shape[0]
+        state.replayed_tokens += len(verified.tokens)
         if self.repair == "replay":
-            if self._check_history(seq, verified[:-1]):
+            if self._check_history(seq, list(zip(verified.positions, verified.tokens))[:-1]):
                 return  # rolled back to a flip; that step's token is already fixed
-            state.verified_through(seq.num_tokens)
-        token = int(torch.argmax(verified[-1]))
+            state.verified_through(seq.next_pos)
+        token = verified.tokens[-1]
         if token != fast_token:
             state.repairs += 1
         keep_column = self.repair in ("replay", "column-always") or (self.repair == "column" and token != fast_token)
         if not keep_column:
-            seq.cache.overwrite(seq.last_pos, state.pending)
+            seq.cache.overwrite(seq.last_fed_pos, state.pending)
         state.pending = None
         seq.output_ids.append(token)
 
-    def _check_history(self, seq: Sequence, rows: torch.Tensor) -> bool:
-        """rows[i] are canonical logits at position canonical_len + i; the token after it was emitted
-        on the fast path. Returns True if it rolled back to a mismatch."""
+    def _check_history(self, seq: Sequence, canonical: list[tuple[int, int]]) -> bool:
+        """`canonical`: (position, the token the verifier's row chooses there) for positions whose token was
+        emitted on the fast path. Returns True if it rolled back to a mismatch."""
         state: VerifyState = seq.state
-        start = state.canonical_len
-        for i, row in enumerate(rows):
-            expected, pos = int(torch.argmax(row)), start + i + 1
+        for pos, expected in canonical:
             if expected == seq.token_at(pos):
                 continue
             if pos in state.flagged:  # the gate saw it; its check was deferred
@@ -148,16 +147,16 @@ class VerifyingPolicy(Policy):
         return False
 
     def finish_job(self, seq: Sequence) -> VerifyJob | None:
-        last_written = seq.num_tokens - 2  # the final token was never fed back
+        last_written = seq.last_fed_pos - 1  # the last token was never fed: its K/V are not written
         if self.repair != "replay" or not self.strict or seq.state.canonical_len > last_written:
             return None
         return VerifyJob(seq, seq.state.canonical_len, last_written, self.precision, self.pad_to)
 
-    def confirm_finish(self, seq: Sequence, verified: torch.Tensor) -> bool:
-        seq.state.replayed_tokens += verified.shape[0]
-        if self._check_history(seq, verified):
+    def confirm_finish(self, seq: Sequence, verified: Choice) -> bool:
+        seq.state.replayed_tokens += len(verified.tokens)
+        if self._check_history(seq, list(zip(verified.positions, verified.tokens))):
             return False
-        seq.state.verified_through(seq.num_tokens - 1)
+        seq.state.verified_through(seq.last_fed_pos)  # every position before the last token's
         return True
 
     def releasable(self, seq: Sequence) -> int:
