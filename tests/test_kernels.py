@@ -139,19 +139,44 @@ def edge_inputs(m: int, k: int, scale: float, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e-38, 1e18], ids=["normal", "denormal-products", "denormal-inputs",
-                                                                   "large"])
+#: (weight scale, input scale) per case; test_the_edge_cases_are_what_they_are_named checks each name
+EDGES = {"normal": (1.0, 1.0), "denormal-products": (1e-20, 1e-20), "denormal-inputs": (1e-38, 1.0),
+         "large": (1e18, 1e18)}
+TINY = torch.finfo(torch.float32).tiny  # the least normal fp32 (bf16 has the same exponent range)
+
+
+def test_the_edge_cases_are_what_they_are_named():
+    """Each case of the next test holds what its name says, so that it can fail for that reason: normal
+    inputs whose products are fp32 denormals; weights among which bf16 denormals; products near fp32's
+    largest finite value."""
+    def case(name):
+        ws, xs = EDGES[name]
+        w, x = edge_inputs(48, 64, ws, seed=48).double(), edge_inputs(5, 64, xs, seed=5).double()  # bf16, exactly
+        return w, x, (x[:, None, :] * w[None]).abs()
+
+    w, x, prods = case("denormal-products")
+    nonzero = prods[prods > 0]
+    assert (w[w != 0].abs() >= TINY).all() and (x[x != 0].abs() >= TINY).all()
+    assert (nonzero < TINY).all()
+    w, _, _ = case("denormal-inputs")
+    assert ((w != 0) & (w.abs() < TINY)).sum() > 100
+    _, _, prods = case("large")
+    assert prods.max() > 1e35
+
+
+@pytest.mark.parametrize("edge", list(EDGES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_every_path_equals_the_scalar_reference(path, scale, dtype):
+def test_every_path_equals_the_scalar_reference(path, edge, dtype):
     """Each path against the order one scalar FMA at a time (`linear_reference`), bitwise: tile edges
     in M (AMX's 16-row tiles, the FMA paths' 4-row tiles), N (16-column panels, 32-column tiles) and
     K (32-k blocks), with and without a bias; zeros of both signs; denormal products and inputs
     (flushed to zero on every path); values near fp32's range."""
+    w_scale, x_scale = EDGES[edge]
     for (n, k) in [(16, 32), (17, 33), (33, 31), (48, 64), (29, 70), (96, 576)]:
-        w = pack(edge_inputs(n, k, scale, seed=n))
-        b = randn(n, seed=13, scale=scale)
+        w = pack(edge_inputs(n, k, w_scale, seed=n))
+        b = randn(n, seed=13, scale=w_scale)
         for m in (1, 3, 4, 5, 15, 16, 17, 33):
-            x = edge_inputs(m, k, 1.0 if scale < 1 else scale, seed=m).to(dtype)
+            x = edge_inputs(m, k, x_scale, seed=m).to(dtype)
             for bias in (None, b):
                 want = K.linear_reference(x, w, bias)
                 assert torch.equal(bits(K.linear(x, w, bias)), bits(want)), (path, n, k, m, bias is None)

@@ -112,9 +112,11 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
 
 
 def test_samples_do_not_depend_on_torchs_cpu_kernels():
-    """Seeded sampling draws its uniforms and takes their logs with torch (Gumbel noise): forcing
-    torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) where it picks AVX-512 must not change a sample
-    or a logprob. Where torch runs AVX2 anyway there is nothing to compare: skipped."""
+    """Seeded sampling still runs torch's CPU kernels: its generator draws the Gumbel noise's uniforms
+    (mt19937: one stream on every ISA) and its ops divide by the temperature, sort and mask for the
+    filters; the noise's logs, the probabilities and the logprobs are csrc/logits.cpp's. Forcing torch's
+    AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) where it picks AVX-512 must not change a sample or a
+    logprob. Where torch runs AVX2 anyway there is nothing to compare: skipped."""
     def sample(env):
         out = subprocess.run([sys.executable, "-c", SAMPLED], capture_output=True, text=True, timeout=600,
                              check=True, env={**os.environ, **env})

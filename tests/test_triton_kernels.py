@@ -1,9 +1,16 @@
-"""The Triton kernels (margingate/kernels/triton): against torch, and batch invariance, bit for bit.
+"""The Triton kernels (margingate/kernels/triton): their arithmetic against torch, bit for bit where
+it is specified, and their batch invariance on a GPU.
 
 Without a CUDA device they run under Triton's CPU interpreter: TRITON_INTERPRET=1 is set here,
 before anything imports triton (triton.jit reads it when a kernel is defined), only when it is unset
 and torch sees no GPU. Shapes are tiny (the interpreter runs each program in Python) but cross
 every edge that matters: the linear's tiles (BLOCK_M / N / K) and attention's key chunks.
+
+What the interpreter can show: the kernels' arithmetic and indexing (masks, offsets, slots, lengths,
+tile edges: a row computed alone or at any place in a batch gives the same bits). It cannot show
+batch invariance: there every tile is a fixed-shape numpy matmul over zero-padded data, so a row's
+bits are the same in any batch by construction. `test_batch_invariance_compiled_on_cuda` is the one
+test of that property, and it needs a GPU.
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ def test_triton_linear_bf16_is_a_bf16_load_with_fp32_sums():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_linear_rows_identical_at_any_m(dtype):
+def test_triton_linear_indexes_a_row_alike_at_any_m(dtype):
     x, w, b = randn(BM + 1, 96, dtype=dtype), randn(192, 96, dtype=dtype, seed=1), randn(192, dtype=dtype, seed=2)
     full = mt.linear(x, w, b)
     for m in (1, 5, BM):  # tile edges: one row, a partial tile, a full tile (the full call: BM + 1)
@@ -111,7 +118,7 @@ def test_triton_attention_matches_reference(dtype, window):
 
 
 @pytest.mark.parametrize("window", [0, 40])
-def test_triton_attention_row_alone_equals_among_others(window):
+def test_triton_attention_indexes_each_rows_slot_and_length(window):
     kc, vc = caches()
     n = len(EDGES)
     q = randn(n, H, D, dtype=torch.bfloat16, seed=13)
@@ -163,7 +170,7 @@ def test_triton_attention_reads_one_layer_of_the_cache():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("d", [160, rowwise.BLOCK + 76])  # one step, and a row wider than BLOCK
-def test_triton_rmsnorm_matches_library_and_rows_are_alone(dtype, unit_offset, d):
+def test_triton_rmsnorm_matches_library_row_by_row(dtype, unit_offset, d):
     x, w = randn(6, d, dtype=dtype, seed=20) * 3, randn(d, dtype=torch.bfloat16, seed=21)
     out = mt.rmsnorm(x, w, 1e-6, unit_offset)
     assert out.dtype == dtype
@@ -210,7 +217,7 @@ def test_triton_round_bf16_is_nearest_even():
 
 
 @pytest.mark.parametrize("v", [300, 2 * rowwise.BLOCK + 500])
-def test_triton_log_softmax_matches_torch_and_rows_are_alone(v):
+def test_triton_log_softmax_matches_torch_row_by_row(v):
     logits = randn(4, v, seed=26) * 8
     out = mt.log_softmax(logits)
     torch.testing.assert_close(out, torch.log_softmax(logits, -1), rtol=1e-5, atol=1e-5)
@@ -240,8 +247,9 @@ def test_triton_rejects_other_dtypes():
 
 # --- a real GPU ------------------------------------------------------------------------------------------
 @needs_cuda
-def test_triton_cuda_bf16_batch_invariance():
-    """Compiled on CUDA, bf16 in: a row's bits alone equal its bits among hundreds, for every kernel."""
+def test_batch_invariance_compiled_on_cuda():
+    """Compiled on CUDA, bf16 in: a row's bits alone equal its bits among hundreds, for every kernel. The
+    one test of batch invariance here: the interpreter's tiles cannot show it (module docstring)."""
     x, w = randn(1000, 2048, dtype=torch.bfloat16), randn(4096, 2048, dtype=torch.bfloat16, seed=1) * 0.05
     full = mt.linear(x, w)
     torch.testing.assert_close(full, torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)

@@ -52,9 +52,10 @@ float row_max(const float* x, int64_t v) {
   return m;
 }
 
-// log on 4 fp64 lanes, the same arithmetic as log_series: the exponent and mantissa from the bits
-// (exact), m moved into [sqrt(1/2), sqrt(2)), then 2 atanh(t) as a Horner polynomial in t^2. For
-// normal positive inputs (the Gumbel noise's only ones).
+// log on 4 fp64 lanes, for the Gumbel noise: the same reduction as log_series (the exponent and
+// mantissa from the bits, exact; m moved into [sqrt(1/2), sqrt(2))), but 2 atanh(t) as a Horner
+// polynomial in t^2, where log_series sums its terms in ascending order: the two may differ in the
+// last bit, and each is used for one purpose only. For normal positive inputs (the noise's only ones).
 __m256d log4(__m256d s) {
   const __m256i bits = _mm256_castpd_si256(s);
   const __m256i mant = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000FFFFFFFFFFFFFLL)),
