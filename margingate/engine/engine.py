@@ -147,8 +147,8 @@ class Engine:
         if not prefills and not batch:
             self.step_count += 1
             return self._finished
-        rows = self._speculate(batch)
         try:
+            rows = self._speculate(batch)
             t = time.perf_counter()
             out = self.runner.step(prefills, batch)
             seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
