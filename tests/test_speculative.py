@@ -85,8 +85,9 @@ def test_a_step_that_fails_mid_speculation_leaves_the_sequence_as_it_was(llm, co
     engine = llm.engine
     seq = engine.add_request(Request(copying[0], 12, llm.policy("batch-invariant"), request_id="fails",
                                      sampling=SEEDED, speculative=NGRAM))
-    while seq.speculation.steps < 1:  # into the decode, where the copied text gives proposals
+    while seq.speculation.steps < 1 and seq.finish_reason is None:  # into the decode: copied text, proposals
         engine.step()
+    assert seq.finish_reason is None, "the request finished before it speculated"
 
     def state():
         s = seq.speculation
