@@ -11,6 +11,7 @@ from .engine import Request, Result
 from .engine.draft import DraftModel, check_draft
 from .engine.engine import Engine, EngineConfig, StreamEvent
 from .engine.logprobs import TokenLogprob
+from .engine.structured import Grammars
 from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
@@ -21,6 +22,25 @@ from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
 from .policies import Policy, build
 from .profiles import load_profile
 from .scoring import Score, score_pairs
+
+PromptLike = Prompt | str | list[dict]
+PromptsLike = PromptLike | list[PromptLike]
+
+
+def as_prompts(prompts: PromptsLike) -> list[Prompt]:
+    """One prompt or a list of them, each a `Prompt`, raw text or a chat's message list."""
+    one = isinstance(prompts, (str, Prompt)) or (isinstance(prompts, list) and bool(prompts)
+                                                 and all(isinstance(m, dict) for m in prompts))
+    out = []
+    for i, p in enumerate([prompts] if one else list(prompts)):
+        if isinstance(p, str):
+            p = Prompt("text", None, p, f"generate:{i}")
+        elif isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and "content" in m for m in p):
+            p = Prompt("chat", tuple(p), None, f"generate:{i}")
+        if not isinstance(p, Prompt):
+            raise TypeError(f"prompt {i}: expected a string, a message list or a Prompt, got {type(p).__name__}")
+        out.append(p)
+    return out
 
 
 @dataclass
@@ -52,6 +72,7 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
                                                       prefix_cache_tokens), lambda: self.default_policy)
         self.engine.detokenize = self.tokenizer.decode
+        self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
 
@@ -76,16 +97,18 @@ class LLM:
     def device(self) -> str:
         return str(self.model.device)
 
-    def requests(self, prompts: list[Prompt], *, max_new_tokens: int = 128, policy: Policy | None = None,
+    def requests(self, prompts: PromptsLike, *, max_new_tokens: int = 128, policy: Policy | None = None,
                  ignore_eos: bool = False, sampling: SamplingParams | None = None,
                  speculative: SpeculativeConfig | None = None) -> list[Request]:
         """One request per prompt; `sampling` (default: greedy) and `speculative` are every request's."""
         return [Request(self.tokenizer.encode_prompt(p), max_new_tokens, policy, ignore_eos=ignore_eos,
                         request_id=f"p{i}", sampling=sampling or SamplingParams(), speculative=speculative)
-                for i, p in enumerate(prompts)]
+                for i, p in enumerate(as_prompts(prompts))]
 
-    def generate(self, prompts: list[Prompt], *, progress: bool = False, **kw) -> list[Completion]:
-        """Decode `prompts` together; keywords as `requests` (max_new_tokens, policy, sampling, ...)."""
+    def generate(self, prompts: PromptsLike, *, progress: bool = False, **kw) -> list[Completion]:
+        """Decode `prompts` together; keywords as `requests` (max_new_tokens, policy, sampling, ...).
+        As vLLM's: a string is raw text (no chat template), a message list ([{"role", "content"}, ...])
+        goes through the chat template; one prompt or a list of them, `Prompt`s too."""
         results = self.engine.generate(self.requests(prompts, **kw), progress=progress)
         return [self.completion(i, r) for i, r in enumerate(results)]
 

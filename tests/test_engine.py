@@ -244,3 +244,18 @@ def test_bad_requests(llm, ids):
             engine.add_request(Request(bad, max_new_tokens=4))
     with pytest.raises(ValueError, match="max_batch_size"):
         EngineConfig(max_batch_size=0)
+
+
+def test_generate_takes_strings_message_lists_and_prompts(llm):
+    """As vLLM's `LLM.generate`: a string is raw text, a message list goes through the chat template."""
+    from margingate.data.prompts import Prompt
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    [text] = llm.generate("The capital of France is", max_new_tokens=4)
+    [chat] = llm.generate(messages, max_new_tokens=4)
+    both = llm.generate(["The capital of France is", messages, Prompt("text", None, "The capital of France is", "t")],
+                        max_new_tokens=4)
+    assert [c.token_ids for c in both] == [text.token_ids, chat.token_ids, text.token_ids]
+    assert text.token_ids != chat.token_ids
+    with pytest.raises(TypeError, match="prompt 0"):
+        llm.generate([3], max_new_tokens=4)

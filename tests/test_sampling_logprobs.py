@@ -28,8 +28,10 @@ def ids_of(llm, prompts, indices):
 
 
 def run(llm, ids, policy, sampling, tokens=TOKENS, **kw):
-    reqs = [Request(x, tokens, llm.policy(policy), ignore_eos=True, request_id=f"r{i}", sampling=sampling, **kw)
-            for i, x in enumerate(ids)]
+    """`sampling`: every request's, or one per request (a list)."""
+    each = sampling if isinstance(sampling, list) else [sampling] * len(ids)
+    reqs = [Request(x, tokens, llm.policy(policy), ignore_eos=True, request_id=f"r{i}", sampling=sp, **kw)
+            for i, (x, sp) in enumerate(zip(ids, each))]
     return llm.engine.generate(reqs)
 
 
@@ -112,8 +114,8 @@ def test_seeded_sampling_is_a_function_of_the_request(llm, prompts):
     batched = run(llm, ids, "batch-invariant", SAMPLED)
     alone = run(llm, ids[2:3], "batch-invariant", SAMPLED)[0]
     assert alone.token_ids == batched[2].token_ids and lps(alone) == lps(batched[2])
-    other = run(llm, ids[2:3], "batch-invariant", SamplingParams(temperature=1.0, seed=8, top_p=0.9))[0]
-    assert other.token_ids != alone.token_ids
+    others = run(llm, [ids[2]] * 3, "batch-invariant", [SamplingParams(temperature=1.0, seed=s) for s in (8, 9, 10)])
+    assert any(o.token_ids != alone.token_ids for o in others)
 
 
 def test_filters_at_their_limits_are_greedy(llm, prompts):
@@ -181,16 +183,67 @@ def test_bad_sampling_options_name_the_option(kw, option):
     assert err.value.option == option
 
 
-def test_gumbel_noise_is_our_own_log_of_torchs_uniforms():
-    """The noise is -log(-log(u)) with the kernels' log (no libm, no ISA dispatch): close to torch's,
-    elementwise (a slice gives the same bits), and a pure function of (seed, position)."""
-    from margingate.engine.sampling import gumbel_noise
-    from margingate.kernels.invariant import gumbel_from_uniform
+def philox_reference(counter: list[int], key: list[int]) -> list[int]:
+    """Philox4x32-10 in plain Python (Random123's definition), to check the kernels' vector one."""
+    c, k0, k1 = list(counter), key[0], key[1]
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c
 
-    u = torch.rand(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp_(1e-300, 1.0)
-    u[:3] = torch.tensor([1e-300, 1 - 2 ** -53, 0.5], dtype=torch.float64)
-    g = gumbel_from_uniform(u)
-    assert torch.allclose(g.double(), -torch.log(-torch.log(u)), rtol=1e-6, atol=1e-6)
-    assert torch.equal(gumbel_from_uniform(u[5:17]), g[5:17])
-    assert torch.equal(gumbel_noise(7, 3, 1000), gumbel_noise(7, 3, 1000))
-    assert not torch.equal(gumbel_noise(7, 3, 1000), gumbel_noise(7, 4, 1000))
+
+def test_philox_meets_its_known_answers():
+    """Random123's known-answer vectors for Philox4x32-10: the generator is the published one."""
+    from margingate.kernels.invariant import philox4x32
+
+    kats = [([0, 0, 0, 0], [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+            ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+            ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0],
+             [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1])]
+    for counter, key, want in kats:
+        assert philox_reference(counter, key) == want
+        assert philox4x32(counter, key) == want
+
+
+def test_gumbel_noise_is_keyed_by_seed_position_and_token():
+    """The noise is -log(-log(u)), u = (2m + 1) / 2^53 from Philox words 0, 1 (even tokens) or 2, 3 (odd)
+    at counter (token / 2, position lo, position hi, 0) and key seed: our log agrees with torch's to 1e-6,
+    a token's noise does not depend on the vocabulary's size or the row's place, and a seed or position
+    moves it. Its mean is Euler's gamma."""
+    from margingate.kernels.invariant import add_gumbel_
+
+    seed, pos = -7, 2 ** 33 + 5
+    g = add_gumbel_(torch.zeros(3, 1000), seed, pos)
+    key = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]
+    for token in (0, 1, 2, 3, 998, 999):
+        w = philox_reference([token // 2, (pos + 1) & 0xFFFFFFFF, (pos + 1) >> 32, 0], key)[2 * (token % 2):]
+        u = torch.tensor((2 * ((w[0] << 20) | (w[1] >> 12)) + 1) / 2 ** 53, dtype=torch.float64)
+        assert abs(float(g[1, token]) - float(-torch.log(-torch.log(u)))) < 1e-6
+    assert torch.equal(add_gumbel_(torch.zeros(1, 17), seed, pos + 2)[0], g[2, :17])
+    assert not torch.equal(add_gumbel_(torch.zeros(1, 1000), seed + 1, pos)[0], g[0])
+    assert not torch.equal(g[0], g[1])
+    many = add_gumbel_(torch.zeros(8, 49152), 3, 0)
+    assert abs(float(many.double().mean()) - 0.5772) < 0.01
+
+
+def test_nucleus_reads_only_the_head_and_equals_the_whole_order():
+    """top_p sorts only the head its octave masses point to; the kept tokens are those of the whole
+    best-first order (ties by id) summed sequentially, on spread, peaked, tied and masked rows."""
+    from margingate.engine.sampling import best_first, nucleus
+    from margingate.kernels import invariant
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        row = torch.randn(5000, generator=g) * [0.5, 2.0, 5.0, 20.0][trial % 4]
+        if trial % 3 == 0:
+            row[torch.randint(0, 5000, (2000,), generator=g)] = -math.inf
+        if trial % 5 == 0:
+            row = torch.round(row)
+        p = [0.1, 0.5, 0.9, 0.99, 0.999999][trial % 5]
+        e = invariant.exp_shifted(row[None], row.max()[None])[0]
+        total = float(invariant.sum_exp_rows(row[None])[0])
+        order = best_first(row, row.numel())
+        cum = torch.tensor(e[order].double().numpy().cumsum())
+        want = order[:min(int(torch.searchsorted(cum, p * total)) + 1, len(order))]
+        assert torch.equal(nucleus(row, p, e, total), want), trial

@@ -68,6 +68,7 @@ class Engine:
         self.verifier = Verifier(self.runner)
         self.draft = None  # a DraftModel (draft.py) for `speculative: draft` requests, set by LLM
         self.detokenize = None  # token ids -> text, for stop strings (stops.py); set by LLM and the server
+        self.grammars = None    # structured output's compiler (structured.Grammars), set by LLM
         self.scheduler = Scheduler(self.kv)
         self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.default_policy = default_policy
@@ -107,9 +108,13 @@ class Engine:
             if self.detokenize is None:
                 raise ValueError("stop strings need a detokenizer: this engine was built without a tokenizer")
             seq.stops = StopStrings(request.sampling.stop, self.detokenize)
+        if request.sampling.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs a tokenizer: this engine was built without one")
+            seq.grammar = self.grammars.matcher(request.sampling.structured)  # a bad one: StructuredError
         if request.speculative is not None:
             request.speculative.check(self.draft)
-            seq.speculation = SpeculationStats(off=off_reason(seq.policy))
+            seq.speculation = SpeculationStats(off=off_reason(seq.policy, seq.grammar is not None))
         if request.share_prefill is not None and request.sampling.prompt_logprobs is None:
             seq.fork_of = next((s for s in [*self.scheduler.running, *self.scheduler.waiting]
                                 if s.request_id == request.share_prefill
@@ -251,7 +256,8 @@ class Engine:
         lo, hi = max(chosen.start, seq.prompt_len), min(chosen.stop, seq.num_tokens)
         if k is None or lo >= hi:
             return
-        entries = logprobs_of(choice.logits[lo - chosen.start:hi - chosen.start], seq.tokens(lo, hi), k)
+        rows = choice.processed if seq.request.sampling.processed_logprobs else choice.logits
+        entries = logprobs_of(rows[lo - chosen.start:hi - chosen.start], seq.tokens(lo, hi), k)
         at = lo - seq.prompt_len
         seq.logprobs[at:at + len(entries)] = entries
 
@@ -306,6 +312,8 @@ class Engine:
         stats = seq.policy.report(seq)
         if seq.speculation is not None:  # exact under a deterministic policy; fast promises nothing
             stats.update(seq.speculation.report(), speculation_exact=seq.policy.deterministic)
+        if seq.grammar is not None and seq.grammar.error is not None:
+            stats["structured_output_error"] = seq.grammar.error
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
                       seq.finish_reason or "aborted", stats, seq.cached_tokens,
                       list(seq.logprobs) if sp.logprobs is not None else None,

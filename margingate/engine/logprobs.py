@@ -8,6 +8,7 @@ also what scoring a sequence computes. `top` lists the best alternatives, ties b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ def top_k(rows: torch.Tensor, lse: torch.Tensor, k: int) -> list[tuple[tuple[int
     vals = rows.gather(1, ids)
     order = torch.sort(vals, dim=1, descending=True, stable=True).indices
     ids, vals = ids.gather(1, order), vals.gather(1, order) - lse[:, None]
-    return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    # a token the processed distribution removed (the grammar's mask, a filter) is no alternative
+    return [tuple((t, x) for t, x in zip(i, v) if x > -math.inf) for i, v in zip(ids.tolist(), vals.tolist())]
 
 
 def _tied(row: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:

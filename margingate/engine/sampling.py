@@ -11,11 +11,13 @@ function of the request alone (its options, its own history, the row's position)
 2. temperature 0: the argmax of that (ties: the lowest token id, as torch.argmax);
 3. otherwise / temperature, then the filters, ties always broken by token id: `top_k` keeps the k
    best, `top_p` the shortest best-first run whose probability reaches p (a sequential fp64 sum in
-   that order), `min_p` the tokens with probability >= min_p x the top one's; then + Gumbel noise
-   keyed by (seed, position), never by batch or step.
+   that order against p x the row's total in the kernels' fixed order), `min_p` the tokens with
+   probability >= min_p x the top one's; then + Gumbel noise -log(-log(u)), u from our own
+   Philox4x32-10 keyed by (seed, position, token id), never by batch, step or library version.
 
-Probabilities use the kernels' own exp and the noise their own log (csrc/logits.cpp), so no bit
-depends on a math library or on which of torch's ISA kernels runs.
+A structured-output request's grammar mask (structured.py) comes between 1 and 2. Probabilities use
+the kernels' own exp and the noise their own generator and log (csrc/logits.cpp), so no bit depends
+on a math library, on which of torch's ISA kernels runs, or on torch's version.
 """
 from __future__ import annotations
 
@@ -28,18 +30,10 @@ import torch
 
 from ..kernels import invariant
 from ..options.sampling import SamplingParams
+from .structured import masked
 
 if TYPE_CHECKING:
     from .sequence import Sequence
-
-_MASK = (1 << 63) - 1
-
-
-def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(((seed * 0x9E3779B97F4A7C15) ^ position) & _MASK)
-    u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)  # mt19937: the same everywhere
-    return invariant.gumbel_from_uniform(u)
-
 
 @dataclass(frozen=True, slots=True)
 class Choice:
@@ -49,6 +43,7 @@ class Choice:
     logits: torch.Tensor   # [n, vocab] fp32, as the forward returned them: what logprobs report
     scores: torch.Tensor   # [n, vocab] with the request's sampling applied: what the tokens are the argmax of
     tokens: list[int]
+    processed: torch.Tensor | None = None  # [n, vocab] `scores` less the noise: what "processed" logprobs report
 
     @property
     def positions(self) -> range:
@@ -57,7 +52,8 @@ class Choice:
 
     def row(self, i: int) -> Choice:
         """Row i alone."""
-        return Choice(self.first_pos + i, self.logits[i:i + 1], self.scores[i:i + 1], self.tokens[i:i + 1])
+        return Choice(self.first_pos + i, self.logits[i:i + 1], self.scores[i:i + 1], self.tokens[i:i + 1],
+                      None if self.processed is None else self.processed[i:i + 1])
 
 
 def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] | tuple[int, ...] = ()) -> Choice:
@@ -66,27 +62,30 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     followed by this step's `drafts` (speculation: not the sequence's tokens until accepted, yet row i's
     penalties see d1..di, as plain decoding after them would)."""
     history = [*seq.request.prompt_ids, *seq.output_ids, *drafts] if seq.request.sampling.adjusts else []
-    scored = scores(seq, rows, first_pos + 1, history)
-    return Choice(first_pos, rows, scored, scored.argmax(-1).tolist())
+    dist = processed(seq, rows, first_pos + 1, history)
+    scored = dist
+    if seq.request.sampling.temperature > 0:
+        scored = invariant.add_gumbel_(dist.clone(), seq.request.sampling.seed, first_pos + 1)
+    return Choice(first_pos, rows, scored, scored.argmax(-1).tolist(), dist)
 
 
-def scores(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: list[int]) -> torch.Tensor:
-    """`rows` (fp32, [n, vocab]) with the request's sampling applied; row i chooses the token at position
-    first_chosen + i, after `history`[:first_chosen + i]."""
+def processed(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: list[int]) -> torch.Tensor:
+    """The distribution `rows` (fp32, [n, vocab]) sample from; row i chooses the token at position
+    first_chosen + i, after `history`[:first_chosen + i]: bias, penalties, the grammar's mask,
+    temperature, filters (steps 1-3 less the noise)."""
     sp = seq.request.sampling
-    if sp.temperature == 0 and not sp.adjusts:
+    if sp.temperature == 0 and not sp.adjusts and seq.grammar is None:
         return rows
     rows = rows.float()
     if sp.adjusts:
         rows = torch.stack([adjust(seq, row, first_chosen + i, history) for i, row in enumerate(rows)])
-    if sp.temperature == 0:
-        return rows
-    rows = rows / sp.temperature
-    if sp.filters:
-        rows = filtered(rows, sp)
-    noise = torch.stack([gumbel_noise(sp.seed, first_chosen + i, rows.shape[-1]).to(rows.device)
-                         for i in range(rows.shape[0])])
-    return rows + noise
+    if seq.grammar is not None:
+        rows = masked(seq, rows, first_chosen)
+    if sp.temperature > 0:
+        rows = (rows / sp.temperature).contiguous()
+        if sp.filters:
+            rows = filtered(rows, sp)
+    return rows
 
 
 def adjust(seq: Sequence, row: torch.Tensor, position: int, history: list[int]) -> torch.Tensor:
@@ -106,23 +105,48 @@ def adjust(seq: Sequence, row: torch.Tensor, position: int, history: list[int]) 
     return row
 
 
+def best_first(row: torch.Tensor, k: int) -> torch.Tensor:
+    """The row's first k token ids or more in best-first order (value descending, ties by ascending
+    id): every token whose value reaches the k-th best one, ordered. A partial order: top_k and
+    top_p read only the head of the vocabulary."""
+    kth = torch.topk(row, min(k, row.numel()), sorted=False).values.min()
+    ids = torch.nonzero(row >= kth if kth > -math.inf else row > kth).squeeze(1)  # ascending ids; never -inf
+    return ids[torch.sort(row[ids], descending=True, stable=True).indices]
+
+
+def nucleus(row: torch.Tensor, p: float, e: torch.Tensor, total: float) -> torch.Tensor:
+    """top_p's token ids: the shortest best-first run whose probabilities (`e` = probability / top
+    probability) reach p x `total`, summed sequentially in fp64 in that order. Only the head is sorted:
+    the tokens whose e reaches a power of two below which less than (1 - p) of the mass lies (found
+    from per-octave masses; they only choose the head, the sequential sum decides)."""
+    target = p * total
+    octave = (1 - torch.frexp(e).exponent.long()).clamp_(0, 159).masked_fill_(e == 0, 160)  # e in [2^-o, 2^(1-o))
+    mass = torch.bincount(octave, weights=e.double(), minlength=161).cumsum(0)
+    reach = int(torch.searchsorted(mass, target * (1 + 1e-6)).clamp_(max=159))
+    ids = torch.nonzero(e >= 2.0 ** -reach).squeeze(1)  # a best-first prefix: e is monotone in the row
+    head = ids[torch.sort(row[ids], descending=True, stable=True).indices]
+    cum = np.cumsum(e[head].numpy().astype(np.float64))
+    if cum[-1] < target:  # the octaves' unordered sum fell short by a rounding: take the whole order
+        head = best_first(row, row.numel())
+        cum = np.cumsum(e[head].numpy().astype(np.float64))
+    return head[:min(int(np.searchsorted(cum, target)) + 1, len(head))]
+
+
 def filtered(rows: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """top_k, top_p, min_p: the tokens each removes get -inf (Gumbel-max never picks them)."""
     out = []
     for row in rows:
-        drop = torch.zeros_like(row, dtype=torch.bool)
-        if sp.top_k > 0 or sp.top_p < 1:  # min_p alone needs no order
-            order = torch.sort(row, descending=True, stable=True).indices  # ties: ascending token id
         if sp.top_k > 0:
-            drop[order[sp.top_k:]] = True
-        row = row.masked_fill(drop, -math.inf)
+            keep = torch.zeros_like(row, dtype=torch.bool)
+            keep[best_first(row, sp.top_k)[:sp.top_k]] = True
+            row = row.masked_fill(~keep, -math.inf)
         if sp.top_p < 1 or sp.min_p > 0:
             e = invariant.exp_shifted(row[None], row.max()[None])[0]  # probability / top probability
-            if sp.top_p < 1:
-                cum = np.cumsum(e[order].numpy().astype(np.float64))  # sequential, best first
-                keep = int(np.searchsorted(cum, sp.top_p * cum[-1])) + 1
-                drop[order[keep:]] = True
-            if sp.min_p > 0:
-                drop |= e.double() < sp.min_p
-        out.append(row.masked_fill(drop, -math.inf))
+            drop = e.double() < sp.min_p if sp.min_p > 0 else torch.zeros_like(row, dtype=torch.bool)
+            if sp.top_p < 1:  # the total in the kernels' fixed order (csrc/logits.cpp), of the same exp
+                keep = torch.zeros_like(drop)
+                keep[nucleus(row, sp.top_p, e, float(invariant.sum_exp_rows(row[None])[0]))] = True
+                drop |= ~keep
+            row = row.masked_fill(drop, -math.inf)
+        out.append(row)
     return torch.stack(out)

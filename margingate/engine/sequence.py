@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..kv_cache import SlotView
     from .logprobs import TokenLogprob
     from .stops import StopStrings
+    from .structured import Matcher
 
 _ids = itertools.count()
 
@@ -84,6 +85,7 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     stops: StopStrings | None = None       # the request's stop strings, with the engine's detokenizer
     stop_at: int | None = None             # output tokens up to the one completing a stop string
+    grammar: Matcher | None = None         # the structured-output constraint's state (structured.py)
 
     @property
     def request_id(self) -> str:

@@ -26,9 +26,11 @@ from .sampling import Choice, choose
 from .sequence import Sequence
 
 
-def off_reason(policy) -> str | None:
+def off_reason(policy, constrained: bool = False) -> str | None:
     """Why a request under `policy` decodes without speculation (None: it speculates). The policies that
     speculate say so (`Policy.speculates`): each accepted draft goes through their `commit` with no job."""
+    if constrained:
+        return "structured output: its mask is computed token by token"
     if policy.speculates:
         return None
     if policy.verifies:

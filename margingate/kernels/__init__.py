@@ -21,4 +21,6 @@ are keyed by it.
 #    (exact rows, and so every deterministic policy's tokens, unchanged from 4)
 # 6: the linear reduces in AMX's order (TDPBF16PS: even and odd FMA chains per 32-k block), run
 #    natively on AMX and bit for bit on AVX-512 and AVX2; weights packed once at load
-VERSION = 6
+# 7: seeded sampling's uniforms from our own Philox4x32-10 keyed by (seed, position, token id), not
+#    torch's mt19937; top_p's total in the kernels' fixed order (greedy tokens unchanged from 6)
+VERSION = 7

@@ -171,10 +171,23 @@ def exp_shifted(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return ops().exp_shifted(logits.float().contiguous(), shift.float().contiguous())
 
 
-def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
-    """-log(-log(u)) of fp64 uniforms in (0, 1), as fp32, with csrc/logits.cpp's own log (no libm,
-    no ISA dispatch): seeded sampling's noise is the same bits on every x86 CPU."""
-    return ops().gumbel_from_uniform(u.double().contiguous())
+def sum_exp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """sum(exp(row - max(row))) of each fp32 row [R, V], fp64, in logsumexp_rows's fixed order."""
+    return ops().sum_exp_rows(logits.float().contiguous())
+
+
+def add_gumbel_(rows: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    """rows[r] += -log(-log(u)) in place, u keyed by (seed, first_position + r, token id): Philox4x32-10
+    (csrc/logits.cpp, our own generator) and our own log, so seeded sampling's noise is the same bits on
+    every x86 CPU and every torch version. `rows`: contiguous fp32 [R, V]."""
+    ops().add_gumbel_(rows, seed, first_position)
+    return rows
+
+
+def philox4x32(counter: list[int], key: list[int]) -> list[int]:
+    """One Philox4x32-10 block (the generator's known-answer tests)."""
+    out = ops().philox4x32(torch.tensor(counter, dtype=torch.long), torch.tensor(key, dtype=torch.long))
+    return [int(x) for x in out]
 
 
 # A decoder layer's tensors as `decoder_stack` takes them, by LayerWeights field: the one statement of

@@ -18,11 +18,16 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
         self._bytes: dict[int, bytes] = {}
 
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer underneath (structured output compiles against it)."""
+        return self._tok
+
     def same_vocabulary(self, other: Tokenizer) -> bool:
         """Do both map every token string to the same id (a draft model must share the target's)?"""
         return self._tok.get_vocab() == other._tok.get_vocab()
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
         """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
         template. A base model has no template (its GGUF carries none): it continues the messages'
         text, one message per paragraph, as a text-completion engine would."""
@@ -30,7 +35,8 @@ class Tokenizer:
             return self._tok.encode(prompt.text, add_special_tokens=True)
         if not self.has_chat_template:
             return self._tok.encode("\n\n".join(m["content"] for m in prompt.messages), add_special_tokens=True)
-        text = self._tok.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+        text = self._tok.apply_chat_template(list(prompt.messages), tools=tools, tokenize=False,
+                                             add_generation_prompt=True)  # tools: a template with a tool format
         return self.encode(text)  # the template writes the special tokens itself
 
     def encode(self, text: str) -> list[int]:

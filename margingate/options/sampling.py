@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import OptionError
+from .structured import StructuredOutput
 
 INT64 = 1 << 63
 MAX_LOGPROBS = 20
@@ -52,6 +53,10 @@ class SamplingParams:
     logprobs: int | None = None       # each output token's logprob and its top `logprobs` alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo scoring)
     stop: tuple[str, ...] = ()        # stop strings: the output ends with the token completing one (stops.py)
+    structured: StructuredOutput | None = None  # what the output must match (engine/structured.py)
+    # logprobs of the model's distribution ("raw") or of the one the row samples from ("processed": after
+    # bias, penalties, the grammar's mask, temperature and filters); None: processed when constrained
+    logprobs_mode: str | None = None
 
     def __post_init__(self):
         _number("temperature", self.temperature, 0.0, 2.0)
@@ -76,6 +81,10 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingError("structured", f"structured must be a StructuredOutput, got {self.structured!r}")
+        if self.logprobs_mode not in (None, "raw", "processed"):
+            raise SamplingError("logprobs_mode", f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
 
     def seeded(self) -> SamplingParams:
         """With a seed drawn now when sampling has none (sampling still works, unreproducibly)."""
@@ -100,6 +109,10 @@ class SamplingParams:
         """Are the logits changed before the choice (bias, penalties)?"""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
             or self.repetition_penalty != 1
+
+    @property
+    def processed_logprobs(self) -> bool:
+        return self.logprobs_mode == "processed" or (self.logprobs_mode is None and self.structured is not None)
 
     @property
     def filters(self) -> bool:

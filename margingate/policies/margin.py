@@ -2,7 +2,8 @@
 
 Every step runs on the fast batched path. When the protected request's top-1
 minus top-2 logit (fp32) is below `tau`, or an exact tie, the verifier runs and
-repairs (see `verifying` for the repair modes; `replay` is the default).
+repairs (at temperature T > 0: the top-two gap of the scores it samples from, times T, so the
+gap is in logit units whatever T) (see `verifying` for the repair modes; `replay` is the default).
 `verify-all` is tau = infinity with `column-always`: per-token verification.
 
 Deferral (`defer` = D > 0, strict `replay` only): a flagged token is held, not
@@ -43,7 +44,10 @@ class MarginPolicy(VerifyingPolicy):
         return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
 
     def gate(self, seq: Sequence, step: Choice) -> bool:
-        margin = margin_of(step.scores[-1])
+        """`step.scores` are what the row chooses from: logits / T plus Gumbel noise at temperature T > 0.
+        Their top-two gap times T is in logit units, the units tau is calibrated in (at T = 1 / 2 the raw
+        score gap would make the gate fire half / twice as often for the same risk)."""
+        margin = margin_of(step.scores[-1]) * (seq.request.sampling.temperature or 1.0)
         seq.state.min_margin = min(seq.state.min_margin, margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
 

@@ -19,7 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
   m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
   m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
-  m.def("gumbel_from_uniform", &gumbel_from_uniform, "-log(-log(u)) of fp64 uniforms, our own log, as fp32");
+  m.def("sum_exp_rows", &sum_exp_rows, "per-row sum of exp(x - max), fp64, the fixed order of logsumexp_rows");
+  m.def("philox4x32", &philox4x32, "one Philox4x32-10 block (known-answer tests)");
+  m.def("add_gumbel_", &add_gumbel_, "rows[r] += Gumbel noise keyed by (seed, first_position + r, token), in place");
   m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");

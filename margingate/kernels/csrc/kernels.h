@@ -54,7 +54,9 @@ void add_into(at::Tensor& h, const at::Tensor& y);
 // logits.cpp: per-row log-sum-exp and exp(x - shift) of fp32 logits, in a fixed order
 at::Tensor logsumexp_rows(const at::Tensor& x);
 at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift);
-at::Tensor gumbel_from_uniform(const at::Tensor& u);
+at::Tensor sum_exp_rows(const at::Tensor& x);
+at::Tensor philox4x32(const at::Tensor& counter, const at::Tensor& key);
+void add_gumbel_(at::Tensor& rows, int64_t seed, int64_t first_position);
 
 // stack.cpp
 void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const std::vector<std::string>& names,

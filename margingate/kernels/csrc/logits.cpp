@@ -1,5 +1,5 @@
 // Per-row statistics of fp32 logits for logprobs and nucleus sampling, and the Gumbel noise of
-// seeded sampling, in an order fixed by the row alone: one thread per row, exp is contract.h's exp8, the sum goes through 8 fp64 lanes
+// seeded sampling (Philox uniforms keyed by seed, position and token), in an order fixed by the row alone: one thread per row, exp is contract.h's exp8, the sum goes through 8 fp64 lanes
 // (element j into lane j mod 8) added in a fixed tree, and log is our own series below. No
 // libm call, so no bit depends on the CPU, the thread count or the math library's dispatch.
 #include <ATen/Parallel.h>
@@ -97,6 +97,18 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor sum_exp_rows(const at::Tensor& x) {
+  check_rows(x);
+  const int64_t rows = x.size(0), v = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kDouble));
+  const float* px = x.data_ptr<float>();
+  double* po = out.data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) po[r] = sum_exp_row(px + r * v, v, row_max(px + r * v, v));
+  });
+  return out;
+}
+
 at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift) {
   check_rows(x);
   check_cpu(shift, "shift");
@@ -120,22 +132,79 @@ at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift) {
   return out;
 }
 
-at::Tensor gumbel_from_uniform(const at::Tensor& u) {
-  check_cpu(u, "u");
-  TORCH_CHECK(u.scalar_type() == at::kDouble, "u must be fp64 uniforms in (0, 1)");
-  const int64_t n = u.numel();
-  at::Tensor out = at::empty(u.sizes(), u.options().dtype(at::kFloat));
-  const double* pu = u.data_ptr<double>();
-  float* po = out.data_ptr<float>();
-  const __m256d zero = _mm256_setzero_pd();
-  for (int64_t j = 0; j < n; j += 4) {  // -log(-log(u)), elementwise: no order to fix, one thread is plenty
-    double buf[4];
-    for (int l = 0; l < 4; ++l) buf[l] = j + l < n ? pu[j + l] : 0.5;
-    const __m256d g = _mm256_sub_pd(zero, log4(_mm256_sub_pd(zero, log4(_mm256_loadu_pd(buf)))));
-    _mm256_storeu_pd(buf, g);
-    for (int l = 0; l < 4 && j + l < n; ++l) po[j + l] = static_cast<float>(buf[l]);
+namespace {
+
+// Philox4x32-10 (Salmon et al., SC 2011, as Random123 defines it) on 4 counters at once: word w of
+// counter l in the low half of 64-bit lane l of c[w], AVX2's 32x32 -> 64 multiply doing 4 lanes.
+// A counter-based generator is a pure function of (key, counter): no state, no library, no version.
+void philox4(__m256i c[4], uint32_t k0, uint32_t k1) {
+  const __m256i m0 = _mm256_set1_epi64x(0xD2511F53), m1 = _mm256_set1_epi64x(0xCD9E8D57);
+  const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFLL);
+  for (int round = 0; round < 10; ++round) {
+    const __m256i p0 = _mm256_mul_epu32(c[0], m0), p1 = _mm256_mul_epu32(c[2], m1);
+    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c[1]), _mm256_set1_epi64x(k0));
+    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c[3]), _mm256_set1_epi64x(k1));
+    c[0] = n0;
+    c[1] = _mm256_and_si256(p1, low);
+    c[2] = n2;
+    c[3] = _mm256_and_si256(p0, low);
+    k0 += 0x9E3779B9u;  // the Weyl key schedule
+    k1 += 0xBB67AE85u;
   }
+}
+
+// Uniforms in (0, 1) of tokens j..j+7 at one (seed, position). Token t takes half of the block at
+// counter (t / 2, position lo, position hi, 0) with key (seed lo, seed hi): words 0 and 1 if t is even,
+// 2 and 3 if odd. 52 of their bits, m, give u = (2m + 1) / 2^53, exact in fp64, never 0 or 1.
+void uniforms8(int64_t j, uint64_t position, uint64_t seed, __m256d& even, __m256d& odd) {
+  const int64_t b = j / 2;
+  __m256i c[4] = {_mm256_setr_epi64x(b, b + 1, b + 2, b + 3), _mm256_set1_epi64x(position & 0xFFFFFFFFu),
+                  _mm256_set1_epi64x(position >> 32), _mm256_setzero_si256()};
+  philox4(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  const __m256i exponent = _mm256_set1_epi64x(0x3FF0000000000000LL);
+  const __m256d one = _mm256_set1_pd(1.0), half_ulp = _mm256_set1_pd(0x1p-53);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi64(c[2 * half], 32), c[2 * half + 1]);
+    const __m256d one_to_two = _mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(bits, 12), exponent));
+    (half ? odd : even) = _mm256_add_pd(_mm256_sub_pd(one_to_two, one), half_ulp);
+  }
+}
+
+}  // namespace
+
+at::Tensor philox4x32(const at::Tensor& counter, const at::Tensor& key) {
+  check_cpu(counter, "counter");
+  check_cpu(key, "key");
+  TORCH_CHECK(counter.scalar_type() == at::kLong && counter.numel() == 4 && key.scalar_type() == at::kLong &&
+              key.numel() == 2, "one counter (4 words) and one key (2 words), as int64");
+  const int64_t* pc = counter.data_ptr<int64_t>();
+  __m256i c[4];
+  for (int w = 0; w < 4; ++w) c[w] = _mm256_set1_epi64x(pc[w] & 0xFFFFFFFFLL);
+  philox4(c, static_cast<uint32_t>(key.data_ptr<int64_t>()[0]), static_cast<uint32_t>(key.data_ptr<int64_t>()[1]));
+  at::Tensor out = at::empty({4}, counter.options());
+  for (int w = 0; w < 4; ++w) out.data_ptr<int64_t>()[w] = _mm256_extract_epi64(c[w], 0);
   return out;
+}
+
+void add_gumbel_(at::Tensor& rows, int64_t seed, int64_t first_position) {
+  check_rows(rows);
+  const int64_t n = rows.size(0), v = rows.size(1);
+  float* px = rows.data_ptr<float>();
+  const __m256d zero = _mm256_setzero_pd();
+  // elementwise, keyed by (seed, position, token): no order to fix, so rows may split over threads
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = px + r * v;
+      const uint64_t position = static_cast<uint64_t>(first_position + r);
+      for (int64_t j = 0; j < v; j += 8) {
+        __m256d u[2];
+        double g[2][4];
+        uniforms8(j, position, static_cast<uint64_t>(seed), u[0], u[1]);
+        for (int h = 0; h < 2; ++h) _mm256_storeu_pd(g[h], _mm256_sub_pd(zero, log4(_mm256_sub_pd(zero, log4(u[h])))));
+        for (int l = 0; l < 8 && j + l < v; ++l) row[j + l] += static_cast<float>(g[l % 2][l / 2]);  // even, odd tokens
+      }
+    }
+  });
 }
 
 }  // namespace mg

@@ -1,0 +1,113 @@
+"""Structured output: what a request's text must match, and the token mask that holds it there.
+
+A request names one constraint (`StructuredOutput`, vLLM's structured outputs): a JSON schema, any
+JSON object, a regex, a choice of strings or a grammar (Lark, or GBNF). llguidance (a maintained
+grammar engine, the one behind Guidance and one of vLLM's backends) compiles it against the
+model's tokenizer and gives, for the tokens emitted so far, the set of tokens that may come next.
+
+The mask is a function of the request's own tokens before the row's position, like the penalties:
+the sampler applies it after bias and penalties and before temperature, filters and noise, and a
+masked token gets -inf, so the ties rule is unchanged. A request's `Matcher` follows its output
+ids wherever they go (a strict policy's rollback, a stop-string cut, a verifier replaying earlier
+positions): it rolls back to the common prefix and consumes the rest, so the mask of a position
+never depends on the order the engine asked for it in.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..options.structured import StructuredError, StructuredOutput
+
+__all__ = ["Grammars", "Matcher", "StructuredError", "StructuredOutput", "masked"]
+
+class Grammars:
+    """Compiles constraints against one tokenizer; the tokenizer's table is built on first use (~1 s)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, cache_size: int = 64):
+        self.hf_tokenizer, self.vocab_size, self.cache_size = hf_tokenizer, vocab_size, cache_size
+        self._tokenizer = None
+        self._compiled: dict[tuple[str, str], str] = {}
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        return self._tokenizer
+
+    def compile(self, constraint: StructuredOutput) -> str:
+        """llguidance's grammar for the constraint, checked; raises StructuredError naming its field."""
+        import llguidance
+
+        key = constraint.source()
+        if key not in self._compiled:
+            try:
+                grammar = llguidance.grammar_from(*key)
+            except (ValueError, TypeError) as exc:
+                raise StructuredError(constraint.option, f"{constraint.option}: {exc}") from None
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if error and not error.startswith("WARNING"):
+                raise StructuredError(constraint.option, f"{constraint.option} does not compile: {error}")
+            if len(self._compiled) >= self.cache_size:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[key] = grammar
+        return self._compiled[key]
+
+    def matcher(self, constraint: StructuredOutput) -> Matcher:
+        import llguidance
+
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0),
+                       self.vocab_size)
+
+
+class Matcher:
+    """One request's grammar state, kept in step with the tokens it is asked about."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.ll, self.vocab_size = matcher, vocab_size
+        self.consumed: list[int] = []
+        self._mask: torch.Tensor | None = None  # the mask after `consumed`, once computed
+        self.error: str | None = None
+
+    def _follow(self, tokens: list[int]) -> None:
+        common = 0
+        for a, b in zip(self.consumed, tokens):
+            if a != b:
+                break
+            common += 1
+        if common < len(self.consumed):
+            self.ll.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+            self._mask = None
+        for token in tokens[common:]:
+            if self.error is None and not self.ll.consume_token(token):
+                self.error = self.ll.get_error() or f"token {token} is outside the grammar"
+            self.consumed.append(token)
+            self._mask = None
+
+    def allowed(self, tokens: list[int], stop_ids: frozenset[int]) -> torch.Tensor:
+        """The tokens that may follow `tokens` (bool, one per vocabulary entry). A matcher in error (a
+        resource limit, a token it refused) allows only the stop tokens: the request ends, alone."""
+        self._follow(tokens)
+        if self.error is None and self.ll.is_error():
+            self.error = self.ll.get_error()
+        if self.error is not None:
+            only = torch.zeros(self.vocab_size, dtype=torch.bool)
+            only[[t for t in stop_ids if t < self.vocab_size]] = True
+            return only
+        if self._mask is None:
+            bits = np.frombuffer(self.ll.compute_bitmask(), dtype=np.uint8)
+            self._mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
+        return self._mask
+
+
+def masked(seq, rows: torch.Tensor, first_position: int) -> torch.Tensor:
+    """Rows choosing the tokens at first_position, first_position + 1, ... with the grammar's mask:
+    a token it does not allow gets -inf."""
+    out = rows.clone()
+    for i in range(rows.shape[0]):
+        tokens = seq.output_ids[:first_position + i - seq.prompt_len]
+        out[i].masked_fill_(~seq.grammar.allowed(tokens, seq.stop_ids), -torch.inf)
+    return out
