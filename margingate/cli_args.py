@@ -121,6 +121,51 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
                    help="report each token's logprob and its K best alternatives (in --json output)")
+    g.add_argument("--logprobs-mode", choices=("raw", "processed"), default=None,
+                   help="the model's distribution, or the one sampled from (default: processed when constrained)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
+    c = p.add_argument_group("structured output (one of; engine/structured.py)")
+    c.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema, or @FILE holding one")
+    c.add_argument("--json-object", action="store_true", help="any JSON object")
+    c.add_argument("--regex", help="a regular expression the whole output matches")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT", help="one allowed output (repeatable)")
+    c.add_argument("--grammar", metavar="GRAMMAR", help="a Lark or GBNF grammar, or @FILE holding one")
+
+
+def _text_or_file(text: str | None) -> str | None:
+    if text is None or not text.startswith("@"):
+        return text
+    with open(text[1:], encoding="utf-8") as f:
+        return f.read()
+
+
+def structured_output(args):
+    """The constraint the flags give (None: none), validated; a bad one exits naming its flag."""
+    from .options.structured import StructuredError, StructuredOutput
+
+    options = {"json": _text_or_file(args.json_schema), "json_object": args.json_object, "regex": args.regex,
+               "choice": args.choice, "grammar": _text_or_file(args.grammar)}
+    options = {k: v for k, v in options.items() if v not in (None, False)}
+    if not options:
+        return None
+    try:
+        return StructuredOutput(**options)
+    except StructuredError as exc:
+        raise SystemExit(f"{_flag(exc.option)}: {exc}") from None
+
+
+def _flag(option: str) -> str:
+    return "--json-schema" if option == "json" else "--" + option.replace("_", "-")
+
+
+def compile_or_exit(llm, constraint) -> None:
+    """A schema, regex or grammar the engine cannot compile exits naming its flag, before any decoding."""
+    from .options.structured import StructuredError
+
+    try:
+        llm.grammars.compile(constraint)
+    except StructuredError as exc:
+        raise SystemExit(f"{_flag(exc.option)}: {exc}") from None
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +198,8 @@ def sampling_params(args):
     return SamplingParams(temperature=args.temperature, seed=args.seed, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                          logprobs=args.logprobs)
+                          logprobs=args.logprobs, logprobs_mode=args.logprobs_mode, stop=tuple(args.stop or ()),
+                          structured=structured_output(args))
 
 
 def add_prompt_args(p: argparse.ArgumentParser, limit: int | None, what: str = "use only the first N prompts") -> None:

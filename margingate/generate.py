@@ -31,6 +31,8 @@ def cmd_generate(args) -> None:
     prompts = cli_args.prompts(args)
     with worker_pool(args, args.max_batch_size) as pool:  # --ray: its workers decode, this process tokenizes
         llm = cli_args.llm(args, args.max_batch_size)
+        if sampling.structured is not None:
+            cli_args.compile_or_exit(llm, sampling.structured)
         reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                             speculative=speculative)
         for r in reqs:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine import Request, Result
 from ..engine.policy import Policy
+from . import tools
 from .errors import RequestFailed, json_error
 from .logprobs import merge_completion
 from .protocol import OPENAI_FINISH, finite
@@ -39,6 +40,7 @@ class Job:
     policy: Policy
     id: str
     choices: list[Choice]
+    tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
 
     @property
     def echo(self) -> bool:
@@ -233,7 +235,8 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
 def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome, prompt_lps: list | None) -> dict:
     body = {"index": choice.index, "finish_reason": o.reason, "token_ids": o.ids}
     if job.kind == "chat":
-        body["message"] = {"role": "assistant", "content": o.text}
+        message, body["finish_reason"] = tools.answer(job.params, job.tool_mode, o.text, o.reason)
+        body["message"] = {"role": "assistant", **message}
         body["logprobs"] = logprobs_body(state, job, choice, o, None)
         return body
     echo = None

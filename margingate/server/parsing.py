@@ -4,6 +4,7 @@ max_tokens against the room left in the context. Every refusal is a `BadRequest`
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
 from pydantic import ValidationError
@@ -21,6 +22,9 @@ from ..options import (
     SpeculativeError,
     deterministic_policies,
 )
+from ..options.structured import StructuredError
+from . import tools
+from .constraints import compiled
 from .jobs import Choice, Job
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
 from .state import ServerState
@@ -118,6 +122,21 @@ def sampling_params(state: ServerState, params, kind: str) -> SamplingParams:
     return sampling.seeded()  # one seed for the request: sample j of n takes seed + j
 
 
+def output_constraint(state: ServerState, params, tool_mode: str):
+    """The body's constraint (`response_format`, vLLM's fields) or its tools' (`required`, a named
+    function), compiled; both at once is a 400."""
+    by_tools = tools.constraint(params, tool_mode, getattr(state.llm.tokenizer.hf, "chat_template", None))
+    structured = compiled(state.llm.grammars, params)
+    if by_tools is not None and structured is not None:
+        raise BadRequest("tool_choice constrains the output already: drop the other constraint", param="tool_choice")
+    if by_tools is not None:
+        try:
+            state.llm.grammars.compile(by_tools)
+        except StructuredError as exc:
+            raise BadRequest(f"tools: a function's parameters do not compile: {exc}", param="tools") from None
+    return by_tools or structured
+
+
 def speculative_config(state: ServerState, params) -> SpeculativeConfig | None:
     """The body's `speculative` block, checked by `SpeculativeConfig`; a refusal names its field."""
     if params.speculative is None:
@@ -133,8 +152,8 @@ def speculative_config(state: ServerState, params) -> SpeculativeConfig | None:
 async def prompts(state: ServerState, params, kind: str) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
     if kind == "chat":
-        chat = Prompt("chat", tuple({"role": m.role, "content": m.text()} for m in params.messages), None, "http")
-        return [(await run_in_threadpool(state.encode, chat), None)]
+        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format)), None, "http")
+        return [(await run_in_threadpool(state.encode, chat, tools.template_tools(params, state.tool_format)), None)]
     out = []
     for p in params.prompt:
         ids = p if isinstance(p, list) else await run_in_threadpool(state.encode, Prompt("text", None, p, "http"))
@@ -162,6 +181,10 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
     policy = build_policy(state, params)
     sampling = sampling_params(state, params, kind)
+    tool_mode = tools.mode(params) if kind == "chat" else "none"
+    structured = await run_in_threadpool(output_constraint, state, params, tool_mode)
+    if structured is not None:
+        sampling = replace(sampling, structured=structured)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
     speculative = speculative_config(state, params)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -180,4 +203,4 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, policy, rid, choices)
+    return Job(kind, params, policy, rid, choices, tool_mode)

@@ -8,8 +8,9 @@ What is supported, and what is refused with a 400 naming the field:
   `repetition_penalty`, `logit_bias`) and logprobs (completions: `logprobs: k`, `echo`;
   chat: `logprobs: true` + `top_logprobs: k`): the values are checked by `SamplingParams`,
   the one validator, and a bad one is a 400 naming this protocol's field;
-- `messages` (chat): roles system / user / assistant, content a string or a list of
-  {"type": "text", "text": ...} parts;
+- `messages` (chat): roles system / user / assistant / tool, content a string or a list of
+  {"type": "text", "text": ...} parts, an assistant's `tool_calls` sent back; `tools` and
+  `tool_choice` (`tools.py`);
 - `temperature` defaults to 0 (greedy), unlike OpenAI's 1: the server's point is reproducible
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
 - `stop`: a string or up to 4 strings (the text is cut before the stop string; token ids, logprobs
@@ -17,6 +18,8 @@ What is supported, and what is refused with a 400 naming the field:
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
   verifier_precision, defer, window, group}, `speculative` {method, num_tokens, ngram_max,
   ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
+- output constraints (`formats.py`): `response_format` json_object / json_schema, vLLM's `guided_*`
+  and `structured_outputs`, and `logprobs_mode` (raw | processed);
 - unknown fields are refused (a misspelt `determinism` must not silently run undeterministic).
 """
 from __future__ import annotations
@@ -27,6 +30,8 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .formats import ConstraintFields, NamedToolChoice, Tool, ToolCall
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -124,12 +129,22 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # extra keys clients send along (name, tool_calls: null, ...) are ignored
+    # extra keys clients send along (name, refusal: null, ...) are ignored
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's calls, sent back
+    tool_call_id: str | None = None            # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: a message needs content (an assistant's may give tool_calls instead)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -141,7 +156,7 @@ NEUTRAL = {
 }
 
 
-class _Common(BaseModel):
+class _Common(ConstraintFields):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
@@ -188,6 +203,7 @@ class _Common(BaseModel):
     def sampling_options(self) -> dict:
         """The `SamplingParams` keywords this body sets (logprobs: the subclass adds them)."""
         opts = {"temperature": self.greedy_temperature, "seed": self.seed, "stop": tuple(self.stop_strings),
+                "logprobs_mode": self.logprobs_mode,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
         for name, value in (("top_p", self.top_p), ("top_k", self.top_k), ("min_p", self.min_p),
                             ("presence_penalty", self.presence_penalty),
@@ -283,6 +299,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _limits(self):

@@ -9,6 +9,7 @@ from ..engine.engine import Engine
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
 from .metrics import Metrics
+from .tools import template_format
 from .worker import EngineWorker
 
 
@@ -20,6 +21,9 @@ class ServerState:
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue)
         engine.detokenize = self.decode  # stop strings, decoded on the engine thread under the tokenizer's lock
+        engine.grammars = llm.grammars
+        self.tool_format = template_format(getattr(llm.tokenizer.hf, "chat_template", None))  # tools.py
+        llm.grammars.tokenizer  # built now, before any thread shares the HF tokenizer it reads (~1 s)
         self.environment = llm.environment()
         self.environment["num_threads"] = engine.num_threads
         self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
@@ -37,9 +41,9 @@ class ServerState:
         m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
 
     # --- tokenizer (serialized) -----------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
         with self.tokenizer_lock:
-            return self.llm.tokenizer.encode_prompt(prompt)
+            return self.llm.tokenizer.encode_prompt(prompt, tools)
 
     def decode(self, ids: list[int]) -> str:
         with self.tokenizer_lock:

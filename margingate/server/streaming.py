@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from . import tools
 from .errors import RequestFailed
 from .jobs import Choice, Job, Outcome, abort_all, determinism_report, echo_text, envelope, merged, usage
 from .protocol import error_body
@@ -54,6 +55,14 @@ class ChunkWriter:
         self.offsets[choice.index] += sum(len(t) for t in out["tokens"])
         return out
 
+    def tool_delta(self, choice: Choice, message: dict) -> dict:
+        """An answer with tools, once parsed: its content and its calls (each with its index)."""
+        out = self.chunk(choice, message.get("content"), [], None)
+        calls = message.get("tool_calls")
+        if calls:
+            out["choices"][0]["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return out
+
     def echo(self, choice: Choice, prompt_lps: list) -> dict:
         text = echo_text(self.state, choice)
         out = self.chunk(choice, text, [], None)
@@ -77,9 +86,14 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
                 yield sse(writer.echo(choice, ev[1]))
             elif ev[0] == "delta":
                 o.ids += ev[2]
-                yield sse(writer.chunk(choice, ev[1], ev[2], ev[3]))
+                o.text += ev[1]
+                withheld = job.tool_mode != "none"  # tool calls go out whole, once parsed
+                yield sse(writer.chunk(choice, None if withheld else ev[1], ev[2], ev[3]))
             else:
                 o.reason, o.result = ev[1], ev[2]
+                if job.tool_mode != "none":
+                    message, o.reason = tools.answer(job.params, job.tool_mode, o.text, o.reason)
+                    yield sse(writer.tool_delta(choice, message))
                 final = writer.chunk(choice, None if job.kind == "chat" else "", [], None, o.reason)
                 final["determinism"] = determinism_report(state, job, choice, o.result)
                 if not include_usage and all(x.result is not None for x in outcomes.values()):
