@@ -287,7 +287,8 @@ def test_bad_fields_name_the_problem(http, fields, param, needle):
 
 
 def test_bad_chat_bodies(http):
-    for messages, needle in [([], "at least 1"), ([{"role": "tool", "content": "x"}], "role"),
+    for messages, needle in [([], "at least 1"), ([{"role": "robot", "content": "x"}], "role"),
+                             ([{"role": "tool", "content": "x"}], "tool_call_id"),
                              ([{"role": "user"}], "content"), ("hi", "list")]:
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

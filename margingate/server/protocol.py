@@ -140,6 +140,8 @@ class ChatMessage(BaseModel):
     def _content(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: a message needs content (an assistant's may give tool_calls instead)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
         return self
 
     def text(self) -> str:
