@@ -135,6 +135,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
   const Shape s = check_linear(x, packed, n, fp32_out);
   TORCH_CHECK(!(fp32_out && reads_bf16(path)), "linear: the ", path_name(path), " path takes bf16 x only");
   const std::vector<float> b = bias_fp32(bias, n);
+  if (s.m == 0) return at::empty({0, n}, x.options());  // no rows (a forward whose rows choose nothing)
   const bool bf16_rows = reads_bf16(path);
   const at::Tensor xl = lay_out(x, s, path);
   at::Tensor out = at::empty({s.m, n}, x.options());
