@@ -97,3 +97,34 @@ def server_idle_after(request):
         srv = request.getfixturevalue("server")
         assert poll(lambda: is_idle(srv), 60), (srv.engine.load, srv.state.worker.in_flight)
         assert srv.state.worker.alive
+
+
+class StreamingLoad:
+    """`clients` threads streaming chat completions (`create`: the request's keyword arguments) until the
+    block ends, so other requests share every step; `done` counts the finished streams."""
+
+    def __init__(self, server, clients: int, **create):
+        import threading
+
+        import openai
+
+        self.stop, self.done = threading.Event(), 0
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+
+        def loop(i):
+            while not self.stop.is_set():
+                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
+                                                   stream=True, **create):
+                    pass
+                self.done += 1
+        self.threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=TIMEOUT)

@@ -4,8 +4,6 @@ nucleus sampling, several prompts per request; each bitwise equal to the request
 concurrent load, and to `LLM.score` of the same tokens."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 pytest.importorskip("fastapi")
@@ -13,37 +11,16 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from server_fixtures import MODEL, TIMEOUT, chat  # noqa: E402
+from server_fixtures import MODEL, StreamingLoad, chat  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}, "ignore_eos": True}
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 30, 2, 198, 1, 4093, 198, 1780, 314, 260,
           3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]  # a chat-templated question, as token ids
 
 
-class Load:
-    """`clients` threads streaming chat completions until stopped: other requests share every step."""
-
-    def __init__(self, server, clients: int):
-        self.stop, self.done = threading.Event(), 0
-        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
-
-        def loop(i):
-            while not self.stop.is_set():
-                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
-                                                   max_tokens=24, stream=True, temperature=0.7):
-                    pass
-                self.done += 1
-        self.threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=TIMEOUT)
+def Load(server, clients: int) -> StreamingLoad:  # noqa: N802 (used as a context manager, like a class)
+    """`clients` threads streaming sampled chat completions until stopped: other requests share every step."""
+    return StreamingLoad(server, clients, max_tokens=24, temperature=0.7)
 
 
 def completion_logprobs(client, **kw):

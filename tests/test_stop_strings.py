@@ -5,7 +5,6 @@ the stop string)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 
@@ -17,7 +16,7 @@ from margingate.options import SamplingError, SamplingParams, SpeculativeConfig,
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import MODEL, TIMEOUT, chat  # noqa: E402
+from server_fixtures import MODEL, StreamingLoad, chat  # noqa: E402
 
 ANIMALS = "Name ten animals, separated by commas:"
 POLICIES = [p for p in deterministic_policies() if p != "auto"]  # auto resolves to one of these
@@ -91,31 +90,10 @@ def streamed(client, policy):
     return text, ids, lps, usage, reason
 
 
-class Forcing:
+def Forcing(server, clients: int) -> StreamingLoad:  # noqa: N802 (used as a context manager, like a class)
     """`clients` threads streaming requests that verify every step (verify-all): a verifier pass runs on
     every step, and a deferring margin request rides along on each, so its release bursts move."""
-
-    def __init__(self, server, clients: int):
-        self.stop = threading.Event()
-        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
-
-        def loop(i):
-            while not self.stop.is_set():
-                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
-                                                   max_tokens=16, stream=True,
-                                                   extra_body={"determinism": {"policy": "verify-all"}}):
-                    pass
-        self.threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=TIMEOUT)
+    return StreamingLoad(server, clients, max_tokens=16, extra_body={"determinism": {"policy": "verify-all"}})
 
 
 def test_the_issue_case_is_the_same_under_every_policy_alone_loaded_and_speculating(client, server, llm):
