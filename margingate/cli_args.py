@@ -76,6 +76,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=("auto", "compiled", "triton"),
                    help="the invariant kernels: auto (Triton on CUDA, compiled C++ on CPU), compiled, or triton "
                         "(on CPU: the CUDA path under Triton's interpreter, TRITON_INTERPRET=1; slow, for dry runs)")
+    p.add_argument("--weights", default="auto", choices=("auto", "bf16"),
+                   help="auto: a GGUF's quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay "
+                        "quantized, the same tokens and logprobs as bf16 at the file's size; bf16: dequantize all")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: all cores; the tokens do not depend on it)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
@@ -233,7 +236,7 @@ def prompts(args) -> list[Prompt]:
 def llm(args, max_batch_size: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
-    return LLM(args.model, device=args.device, kernels=args.kernels, max_batch_size=max_batch_size,
+    return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights, max_batch_size=max_batch_size,
                draft_model=getattr(args, "draft_model", None),
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
                prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0)

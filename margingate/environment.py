@@ -20,6 +20,7 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
     import torch  # loaded with `llm` already; imported here so that the commands' --help loads none
 
     from .kernels import invariant
+    from .models.weights import weight_formats
     return {"model": llm.model_name, "model_fingerprint": llm.config.fingerprint(),
             "device": str(llm.model.device), "torch": torch.__version__,
             "num_threads": llm.engine.num_threads if num_threads is None else num_threads,
@@ -30,6 +31,7 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "kernels_linear_path": invariant.linear_path() if llm.model.kernels == "compiled" else "triton",
             # paths this CPU has that failed their load-time proof (csrc/linear_proof.cpp): {path: why}
             "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
+            "weights": weight_formats(llm.model.own_weights),  # each matrix group's storage: bf16 or its GGUF types
             "python": platform.python_version(), "packages": package_versions()}
 
 

@@ -15,7 +15,7 @@ from .engine.structured import Grammars
 from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
-from .models.loader import load_config, load_state_dict, resolve_model_dir
+from .models.loader import gguf_parts, load_config, load_state_dict, resolve_model_dir
 from .models.named import DEFAULT_MODEL
 from .models.tokenizer import Tokenizer
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
@@ -57,7 +57,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", weights: str = "auto"):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
@@ -65,7 +65,7 @@ class LLM:
         self.model_name = model
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
-        self.model = build_model(self.config, load_state_dict(self.folder), device, kernels)
+        self.model = build_model(self.config, self._state(model, weights), device, kernels)
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
@@ -75,6 +75,14 @@ class LLM:
         self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
+
+    @staticmethod
+    def _state(model: str, weights: str):
+        """The model's tensors. weights "auto": a GGUF's quantized matrices stay quantized (the same
+        tokens and logprobs as "bf16", at the file's size); "bf16": every weight dequantized to bf16."""
+        if weights not in ("auto", "bf16"):
+            raise ValueError(f"weights must be 'auto' or 'bf16', got {weights!r}")
+        return load_state_dict(resolve_model_dir(model), gguf=gguf_parts(model) if weights == "auto" else None)
 
     def _load_draft(self, name: str, slots: int) -> DraftModel:
         """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""

@@ -74,7 +74,9 @@ class CachedRuns:
                      "prompts": settings_key(prompt_ids), "max_new_tokens": max_new_tokens,
                      "ignore_eos": ignore_eos, "threads": env["num_threads"],
                      "torch": env["torch"], "device": env["device"],
-                     **({"backend": "triton"} if env["kernels"] == "triton" else {})}
+                     **({"backend": "triton"} if env["kernels"] == "triton" else {}),
+                     # quantized weights give bf16's bits, but a run is only reused with the storage it ran on
+                     **({"weights": env["weights"]} if set(env["weights"].values()) != {"bf16"} else {})}
 
     def key(self, spec: dict) -> str:
         return settings_key({**self.base, **spec})

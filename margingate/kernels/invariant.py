@@ -24,6 +24,7 @@ import torch
 from ..errors import KernelBuildError
 from . import isa_units
 from .packing import PackedWeight
+from .quant_pack import QuantWeight
 
 _CSRC = Path(__file__).parent / "csrc"
 # Baseline AVX2 + FMA, no -march=native: the same instructions on every x86 CPU that has them;
@@ -126,13 +127,14 @@ def _has_ninja_module() -> bool:
     return True
 
 
-def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + b for x [M, K] (bf16 or fp32), W packed; fp32 accumulation in the contract's order,
-    result in x's dtype. With fp32 x the products use the bf16 weights upcast (exactly)."""
+def linear(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + b for x [M, K] (bf16 or fp32), W packed or kept quantized (the same bits as its bf16
+    values packed); fp32 accumulation in the contract's order, result in x's dtype. With fp32 x the
+    products use the bf16 weights upcast (exactly)."""
     return ops().linear(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
 
 
-def linear_reference(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` one scalar FMA at a time, as csrc/contract.h states the order: what every path equals."""
     return ops().linear_reference(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
 
@@ -199,11 +201,11 @@ STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", 
 
 
 def stack_weights(layers: list) -> list[torch.Tensor]:
-    """The layers' weights flattened for `decoder_stack`: STACK_WEIGHTS per layer, packed matrices as
-    their data, an absent weight (a bias, Gemma's norms on a Llama) as an empty tensor."""
+    """The layers' weights flattened for `decoder_stack`: STACK_WEIGHTS per layer, packed (or quantized)
+    matrices as their data, an absent weight (a bias, Gemma's norms on a Llama) as an empty tensor."""
     none = torch.empty(0, dtype=torch.bfloat16)
     flat = (getattr(L, name) for L in layers for name in STACK_WEIGHTS)
-    return [none if t is None else t.data if isinstance(t, PackedWeight) else t for t in flat]
+    return [none if t is None else t.data if isinstance(t, (PackedWeight, QuantWeight)) else t for t in flat]
 
 
 def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import invariant, library
 from . import triton as triton_kernels
 from .packing import PackedWeight
+from .quant_pack import QuantWeight
 
 Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = None) -> [M, N]
 
@@ -55,8 +56,8 @@ def kernel_set(use_invariant: bool, triton: bool = False) -> KernelSet:
     return (TRITON if triton else INVARIANT) if use_invariant else LIBRARY
 
 
-def embed(tokens: torch.Tensor, table: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the embedding table (packed when it is the tied head), cast to the activations'
-    dtype (exact lookups)."""
-    rows = table.rows(tokens) if isinstance(table, PackedWeight) else F.embedding(tokens, table)
+def embed(tokens: torch.Tensor, table: torch.Tensor | PackedWeight | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table (packed when it is the tied head, or kept quantized), cast to the
+    activations' dtype (exact lookups)."""
+    rows = table.rows(tokens) if isinstance(table, (PackedWeight, QuantWeight)) else F.embedding(tokens, table)
     return rows.to(dtype)

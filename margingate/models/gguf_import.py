@@ -107,7 +107,6 @@ def convert(paths: list[Path], folder: Path) -> None:
     parts = readers(paths)
     meta = metadata(parts[0])
     arch = architecture(meta, paths[0])
-    _, _, _, permuted = ARCHS[arch]
     n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -116,15 +115,8 @@ def convert(paths: list[Path], folder: Path) -> None:
     tensors = [t for r in parts for t in r.tensors]
     shard, size, names, shards = {}, 0, set(), 0
     for t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        name = hf_name(t.name, arch)
-        if permuted and ".attn_q." in t.name:
-            w = unpermute(w, n_heads)
-        elif permuted and ".attn_k." in t.name:
-            w = unpermute(w, n_kv)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the stored weight
-        shard[name] = w.to(torch.bfloat16).contiguous()
+        name, w = hf_name(t.name, arch), bf16_tensor(gguf, t, arch, n_heads, n_kv)
+        shard[name] = w
         names.add(name)
         size += 2 * w.numel()
         if size >= SHARD_BYTES:
@@ -147,6 +139,42 @@ def convert(paths: list[Path], folder: Path) -> None:
         tmp.rmdir()
     else:
         tmp.replace(folder)
+
+
+def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
+    """One GGUF tensor dequantized to bf16, llama.cpp's conventions undone (Q/K rows, Gemma's norms)."""
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    if ARCHS[arch][3] and ".attn_q." in t.name:
+        w = unpermute(w, n_heads)
+    elif ARCHS[arch][3] and ".attn_k." in t.name:
+        w = unpermute(w, n_kv)
+    if arch == "gemma3" and t.name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the stored weight
+    return w.to(torch.bfloat16).contiguous()
+
+
+def load_quantized(paths: list[Path]) -> dict:
+    """The GGUF's tensors by Hugging Face name, straight from the file: each matrix of a type
+    gguf_quant keeps quantized as a GGUFMatrix (read when the model is built), every other tensor
+    dequantized to bf16 exactly as `convert` writes it."""
+    import gguf
+
+    from .gguf_quant import TYPES, GGUFMatrix
+
+    parts = readers(paths)
+    meta = metadata(parts[0])
+    arch = architecture(meta, paths[0])
+    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    state = {}
+    for t in (t for r in parts for t in r.tensors):
+        name = hf_name(t.name, arch)
+        if t.tensor_type.name in TYPES and len(t.shape) == 2:
+            heads = {".attn_q.": n_heads, ".attn_k.": n_kv}
+            permuted = next((h for key, h in heads.items() if key in t.name), None) if ARCHS[arch][3] else None
+            state[name] = GGUFMatrix(t, permuted)
+        else:
+            state[name] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+    return state
 
 
 def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:

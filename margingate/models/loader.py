@@ -69,6 +69,14 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+def gguf_parts(model: str) -> list[Path] | None:
+    """The GGUF file(s) `model` comes from (a named model's, or a .gguf path's parts); None for a folder."""
+    if model in NAMED:
+        return gguf_files(model, cache_root() / "gguf")
+    path = Path(model).expanduser()
+    return split_parts(path) if path.is_file() and path.suffix == ".gguf" else None
+
+
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -158,11 +166,15 @@ class Checkpoint(dict):
         self.source = source
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
+def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: list[Path] | None = None) -> Checkpoint:
     """Every tensor of the folder's *.safetensors, in `dtype`; which of them the model needs is
     decided by the name map (`models/weights.py`) when the model is built. Tensors already in
     `dtype` are memory-mapped views of their files, not copies: the model's packed weights are
-    the only copy in memory (an 8B model loads within 24 GB)."""
+    the only copy in memory (an 8B model loads within 24 GB). `gguf`: read the tensors from these
+    GGUF parts instead, their quantized matrices kept quantized (gguf_import.load_quantized)."""
+    if gguf is not None:
+        check_fits(sum(p.stat().st_size for p in gguf), f"the weights of {gguf[0]}")
+        return Checkpoint(gguf_import.load_quantized(gguf), source=str(gguf[0]))
     files = sorted(folder.glob("*.safetensors"))
     check_fits(sum(f.stat().st_size for f in files) * dtype.itemsize // 2, f"the weights of {folder}")
     state = Checkpoint({}, source=str(folder))

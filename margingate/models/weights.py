@@ -13,15 +13,17 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..kernels.packing import PackedWeight, pack
+from ..kernels.quant_pack import QuantWeight, panelable, quant_weight
 from .architectures import ARCHITECTURES, EXTRA_LAYER_MAP, IGNORED_SUFFIXES, LAYER_MAP, MODEL_MAP
 from .config import ModelConfig
+from .gguf_quant import GGUFMatrix
 
 
 class WeightsError(ValueError):
     """A checkpoint's tensors do not match what its config.json says the model is."""
 
 
-Matrix = torch.Tensor | PackedWeight  # packed for our kernels, plain for the library's
+Matrix = torch.Tensor | PackedWeight | QuantWeight  # packed (or kept quantized) for our kernels, plain for the library's
 MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")
 
 
@@ -65,7 +67,7 @@ class ModelWeights:
 
 
 def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if isinstance(t, PackedWeight):
+    if isinstance(t, (PackedWeight, QuantWeight)):
         t = t.unpack()
     return None if t is None else t.to(dtype)
 
@@ -153,11 +155,18 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     `ModelWeights.to`)."""
     pack_ = pack if packed else (lambda t: t)
     names = check(config, state, source)
+    keep_quantized = packed and device.type == "cpu"
 
-    def get(key: str) -> torch.Tensor | None:
+    def get(key: str) -> Matrix | None:
         if key not in names:
             return None
         parts = [state[n] for n in names[key]]
+        is_matrix = key.rsplit(".", 1)[-1] in MATRICES or key in ("embed", "lm_head")
+        if any(isinstance(p, GGUFMatrix) for p in parts):  # a GGUF's quantized matrix (gguf_quant)
+            codes = [p.codes() if isinstance(p, GGUFMatrix) else None for p in parts]
+            if keep_quantized and is_matrix and all(codes) and panelable(codes):
+                return quant_weight(codes)
+            parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
         return pack_(t) if key.rsplit(".", 1)[-1] in MATRICES else t
 
@@ -170,7 +179,19 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
         **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP},
     ) for i in range(config.num_layers)]
-    lm_head = pack_(embed if config.tie_embeddings else get("lm_head"))
+    lm_head = embed if config.tie_embeddings else get("lm_head")
+    lm_head = lm_head if isinstance(lm_head, QuantWeight) else pack_(lm_head)
     if config.tie_embeddings:  # a tied model's embedding rows are read from its packed head
         embed = lm_head
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)
+
+
+def weight_formats(weights: ModelWeights) -> dict[str, str]:
+    """Each matrix group's storage ("bf16", or the GGUF types kept quantized, "q4_k+q6_k" where a
+    fused matrix or the layers mix them): what the reports name."""
+    def kinds(ms) -> str:
+        found = dict.fromkeys(f for m in ms for f in (m.formats if isinstance(m, QuantWeight) else ("bf16",)))
+        return "+".join(found)
+    groups = {g: [getattr(L, g) for L in weights.layers] for g in MATRICES}
+    return {**{g: kinds(ms) for g, ms in groups.items()}, "lm_head": kinds([weights.lm_head]),
+            "embed": kinds([weights.embed])}

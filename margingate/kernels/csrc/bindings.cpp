@@ -7,12 +7,14 @@ bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_su
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace mg;
-  m.def("linear", &linear, "x @ W^T + b, W packed bf16, in the contract's order on the current path");
+  m.def("linear", &linear, "x @ W^T + b, W packed bf16 or quantized, in the contract's order on the current path");
   m.def("linear_reference", &linear_reference, "the same, one scalar step at a time (tests, audits)");
   m.def("linear_paths", &linear_paths, "the linear paths built, on this CPU and proven, fastest first");
   m.def("linear_path", &linear_path, "the linear path in use");
   m.def("set_linear_path", &set_linear_path, "use this linear path (an error where it is not built, the CPU cannot run it or it failed its proof)");
   m.def("linear_proofs", &linear_proofs, "every linear path: [name, status, detail] (proves those the CPU runs)");
+  m.def("dequantize_packed", &dequantize_packed, "a quantized weight dequantized to packed bf16 panels (the reference)");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a quantized weight, dequantized to bf16 (embedding lookups)");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

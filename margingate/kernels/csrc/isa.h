@@ -34,4 +34,21 @@ void linear_avx512bf16(const LinearTask& t);  // linear_avx512bf16.cpp (bf16 x o
 void linear_amx(const LinearTask& t);     // linear_amx.cpp (bf16 x only)
 bool amx_granted();                       // asks the OS for the AMX tile state once; true if granted
 
+// A run of panels of a quantized weight (quant.cpp; kernels/quant_pack.py writes them). Element
+// (column l, k) of a panel dequantizes to bf16(scale * (q - zero) [+ offset]): the fp32 multiply,
+// the fp32 add where the format has an offset, one rounding to nearest even. codes: 4-bit, one byte
+// per pair ([panel][kp / 2][16], k even in the low nibble), or 8-bit signed ([panel][kp / 2][16][2]);
+// scale and offset: [panel][kp / group][16] fp32.
+struct QuantPart {
+  const uint8_t* codes;
+  const float* scale;
+  const float* offset;  // null: no offset
+  int64_t panels, group;
+  int bits, zero;
+};
+
+// One panel of a part, all kp k, into the packed bf16 layout [kp / 2][16][2]; the same bits on every ISA.
+void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);        // quant.cpp
+void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);  // linear_avx512bf16.cpp
+
 }  // namespace mg

@@ -39,6 +39,19 @@ using LinearRun = std::function<at::Tensor(const at::Tensor& x, const at::Tensor
                                            const c10::optional<at::Tensor>& bias)>;
 std::string prove_linear(const std::string& path, const LinearRun& run, bool fp32_x);
 
+// quant.cpp: a quantized weight (one uint8 tensor, kernels/quant_pack.py) as its parts (isa.h)
+struct QuantMatrix {
+  int64_t n, k, panels;
+  std::vector<QuantPart> parts;
+  std::pair<const QuantPart*, int64_t> locate(int64_t panel) const;  // its part, and its place there
+};
+bool is_quantized(const at::Tensor& w);
+QuantMatrix quant_matrix(const at::Tensor& blob);  // checked: an error names what is wrong
+void dequant_panel_reference(const QuantMatrix& m, int64_t panel, uint16_t* dst);
+void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst);  // linear_paths.cpp: p's ISA
+at::Tensor dequantize_packed(const at::Tensor& blob);  // [panels, k / 2, 16, 2] bf16, the reference
+at::Tensor dequantize_rows(const at::Tensor& blob, const at::Tensor& index);
+
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale,

@@ -1,6 +1,6 @@
 // The linear: checks, the activations laid out for the path (linear_paths.cpp picks it), the
-// threads' split (blocks of output elements, never k) and the epilogue (bias, rounding). The
-// order: contract.h, 1.
+// threads' split (blocks of output elements, never k), the weights (packed bf16, or quantized and
+// dequantized panel by panel: quant.cpp) and the epilogue (bias, rounding). The order: contract.h, 1.
 #include <ATen/Parallel.h>
 
 #include "isa.h"
@@ -13,19 +13,26 @@ struct Shape {
   int64_t m, k, kp, n, panels;
 };
 
-Shape check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool fp32_out) {
+Shape check_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out) {
   check_cpu(x, "x");
-  check_cpu(packed, "weight");
+  check_cpu(w, "weight");
   TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: x bf16 or fp32");
   TORCH_CHECK((x.scalar_type() == at::kFloat) == fp32_out, "linear: the result has x's dtype");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
-              packed.size(3) == 2, "linear: weight must be packed bf16 [panels, K/2, 16, 2] (kernels.packing.pack)");
   const int64_t k = x.size(1), kp = round_up(k, kBlock);
-  TORCH_CHECK(packed.size(1) * 2 == kp, "linear: x has ", k, " features, the packed weight ", packed.size(1) * 2);
-  TORCH_CHECK(n > (packed.size(0) - 1) * kPanel && n <= packed.size(0) * kPanel,
-              "linear: ", n, " outputs do not fit ", packed.size(0), " panels");
-  return {x.size(0), k, kp, n, packed.size(0)};
+  if (is_quantized(w)) {
+    const QuantMatrix q = quant_matrix(w);
+    TORCH_CHECK(q.k == k && q.n == n, "linear: x has ", k, " features and ", n, " outputs are asked for; the ",
+                "quantized weight is [", q.n, ", ", q.k, "]");
+    return {x.size(0), k, kp, n, q.panels};
+  }
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == kPanel && w.size(3) == 2,
+              "linear: weight must be packed bf16 [panels, K/2, 16, 2] (kernels.packing.pack) or quantized "
+              "(kernels.quant_pack)");
+  TORCH_CHECK(w.size(1) * 2 == kp, "linear: x has ", k, " features, the packed weight ", w.size(1) * 2);
+  TORCH_CHECK(n > (w.size(0) - 1) * kPanel && n <= w.size(0) * kPanel,
+              "linear: ", n, " outputs do not fit ", w.size(0), " panels");
+  return {x.size(0), k, kp, n, w.size(0)};
 }
 
 // x as the path reads it, zero-padded in k: fp32 rows (FMA paths, exact widening), bf16 rows
@@ -123,6 +130,23 @@ Split split_for(const Shape& s, int64_t threads) {
   return {rows, panels, row_jobs, (s.panels + panels - 1) / panels};
 }
 
+// Panels [t.p0, t.p1) of a job on the path: straight from the packed weight, or from a quantized
+// one dequantized a few panels at a time into a scratch (in L2) that the path then reads like a packed
+// weight. The dequantized panels hold the packed weight's bits, so the sums are the same.
+void run_panels(Path path, const LinearTask& t, const QuantMatrix* q) {
+  if (!q) return run_path(path, t);
+  static thread_local std::vector<uint16_t> scratch;
+  const int64_t chunk = std::max<int64_t>(2, (int64_t(1) << 17) / (t.kp * kPanel));  // 256 KB of bf16
+  scratch.resize(chunk * t.kp * kPanel);
+  for (int64_t c0 = t.p0; c0 < t.p1; c0 += chunk) {
+    const int64_t c1 = std::min(t.p1, c0 + chunk);
+    for (int64_t p = c0; p < c1; ++p) dequant_panel(path, *q, p, scratch.data() + (p - c0) * t.kp * kPanel);
+    LinearTask s = t;
+    s.w = scratch.data(), s.p0 = 0, s.p1 = c1 - c0, s.acc = t.acc + (c0 - t.p0) * kPanel;
+    run_path(path, s);
+  }
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -137,6 +161,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
   const std::vector<float> b = bias_fp32(bias, n);
   if (s.m == 0) return at::empty({0, n}, x.options());  // no rows (a forward whose rows choose nothing)
   const bool bf16_rows = reads_bf16(path);
+  const c10::optional<QuantMatrix> q = is_quantized(packed) ? c10::make_optional(quant_matrix(packed)) : c10::nullopt;
   const at::Tensor xl = lay_out(x, s, path);
   at::Tensor out = at::empty({s.m, n}, x.options());
   const Split sp = split_for(s, at::get_num_threads());
@@ -154,9 +179,9 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
       acc.assign(acc_rows * ldacc, 0.0f);
       const char* xr = x0 + r0 * x_row;
       const LinearTask t{bf16_rows ? nullptr : reinterpret_cast<const float*>(xr),
-                         bf16_rows ? reinterpret_cast<const uint16_t*>(xr) : nullptr, rows, s.kp, u16(packed), p0, p1,
-                         acc.data(), ldacc};
-      run_path(path, t);
+                         bf16_rows ? reinterpret_cast<const uint16_t*>(xr) : nullptr, rows, s.kp,
+                         q ? nullptr : u16(packed), p0, p1, acc.data(), ldacc};
+      run_panels(path, t, q ? &*q : nullptr);
       epilogue(acc.data(), ldacc, b, out, r0, rows, p0 * kPanel, std::min(p1 * kPanel, n));
     }
   });
@@ -165,9 +190,10 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
 
 // The contract's order one scalar step at a time (contract.h, 1): what every path must equal.
 // For tests and audits; slow.
-at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                             const c10::optional<at::Tensor>& bias, bool fp32_out) {
-  const Shape s = check_linear(x, packed, n, fp32_out);
+  const Shape s = check_linear(x, weight, n, fp32_out);
+  const at::Tensor packed = is_quantized(weight) ? dequantize_packed(weight) : weight;
   const std::vector<float> b = bias_fp32(bias, n);
   const at::Tensor xf = lay_out(x, s, Path::kAvx2);
   at::Tensor acc = at::zeros({s.m, n}, x.options().dtype(at::kFloat));

@@ -120,7 +120,47 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
   if (i < t.m) dp_last_tile<MR - 1, P, true>(t, w, i, c, t.m - i, b0, b1);
 }
 
+// 16 columns' scales (or offsets) for the 16 lanes of half a pair row: columns [c, c + 8), each twice.
+inline __m512 dup8(const float* v, int64_t c) {
+  const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(v + c)));
+}
+
 }  // namespace
+
+// quant.cpp's dequant_panel_avx2 on 16 lanes, rounded by VCVTNE2PS2BF16: nearest even, the same
+// bits as c10's rounding for every value a quantized weight holds (finite, never an fp32 denormal:
+// kernels/quant_pack.py refuses other scales).
+void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
+  const int64_t pairs = kp / 2, row_bytes = kPanel * q.bits / 4;
+  const uint8_t* c = q.codes + panel * pairs * row_bytes;
+  const __m512i zero = _mm512_set1_epi32(q.bits == 4 ? q.zero : 0);
+  __m512 s[2], o[2];
+  for (int64_t pair = 0; pair < pairs; ++pair, c += row_bytes, dst += 2 * kPanel) {
+    if (2 * pair % q.group == 0) {
+      const int64_t g = (panel * (kp / q.group) + 2 * pair / q.group) * kPanel;
+      for (int j = 0; j < 2; ++j) {
+        s[j] = dup8(q.scale + g, 8 * j);
+        if (q.offset) o[j] = dup8(q.offset + g, 8 * j);
+      }
+    }
+    __m128i b[2];  // the 32 codes as bytes in the packed order: columns 0-7, then 8-15
+    if (q.bits == 4) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
+      const __m128i ev = _mm_and_si128(v, m), od = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+      b[0] = _mm_unpacklo_epi8(ev, od), b[1] = _mm_unpackhi_epi8(ev, od);
+    } else {
+      b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+    }
+    __m512 f[2];
+    for (int j = 0; j < 2; ++j) {
+      f[j] = _mm512_mul_ps(s[j], _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[j]), zero)));
+      if (q.offset) f[j] = _mm512_add_ps(f[j], o[j]);
+    }
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+  }
+}
 
 void linear_avx512bf16(const LinearTask& t) {
   alignas(64) static thread_local uint16_t scratch[NR * kPanelSlice];

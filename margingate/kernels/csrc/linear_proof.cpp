@@ -3,7 +3,10 @@
 // linear_reference) on every one, or it is refused. The cases cover the tile edges in M (the 4-row
 // tiles, AMX's 16 and 32), N (16-column panels, 2-panel tiles) and K (32-k blocks, padding, more
 // than one k slice), both regroupings of the weights (one row tile, several), zeros of both signs,
-// bf16 denormals, denormal products and results, and exponents far from 1. A few ms in all.
+// bf16 denormals, denormal products and results, and exponents far from 1; then quantized weights in
+// every code layout (4-bit with a zero point or offsets, 8-bit in groups of 16 or 32), dequantized by
+// the path's ISA. A few ms in all.
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -68,6 +71,48 @@ at::Tensor make_packed(Rng& r, const Case& c) {
   return w;
 }
 
+// Quantized weights (quant.cpp) in two parts: the first panel in format f, the rest in the next one.
+struct Format {
+  int bits, zero;
+  int64_t group;
+  bool offset;
+};
+constexpr Format kFormats[] = {{4, 8, 32, false}, {4, 0, 32, true}, {8, 0, 16, false}, {8, 0, 32, true}};
+constexpr Case kQuantCases[] = {{1, 40, 64, 8}, {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}};
+
+float scale_value(Rng& r) {  // an fp16 value times a 6-bit integer, of either sign: what GGUF scales are
+  const uint32_t u = r.next();
+  const float fp16 = std::ldexp(1.0f + float((u >> 8) & 1023) / 1024.0f, int(u % 21) - 10);
+  return fp16 * float(1 + (u >> 18) % 63) * ((u >> 31) ? -1.0f : 1.0f);
+}
+
+at::Tensor make_quant(Rng& r, const Case& c, int f) {
+  const int64_t panels = (c.n + kPanel - 1) / kPanel, parts = panels > 1 ? 2 : 1;
+  std::vector<int64_t> head = {0x3151474D, c.n, c.k, parts};
+  int64_t at = round_up(8 * (4 + 8 * parts), 64);
+  for (int64_t i = 0; i < parts; ++i) {
+    const Format& fm = kFormats[(f + i) % 4];
+    const int64_t np = i == 0 ? 1 : panels - 1, codes = np * c.k * kPanel * fm.bits / 8;
+    const int64_t scales = np * (c.k / fm.group) * kPanel * 4;
+    const int64_t off = fm.offset ? round_up(at + codes, 64) + round_up(scales, 64) : -1;
+    head.insert(head.end(), {np, fm.group, fm.bits, fm.zero, at, round_up(at + codes, 64), off, 0});
+    at = round_up(at + codes, 64) + round_up(scales, 64) * (fm.offset ? 2 : 1);
+  }
+  at::Tensor blob = at::zeros({at}, at::dtype(at::kByte));
+  uint8_t* b = blob.data_ptr<uint8_t>();
+  std::memcpy(b, head.data(), head.size() * 8);
+  for (int64_t i = 0; i < parts; ++i) {
+    const int64_t* h = head.data() + 4 + 8 * i;
+    for (int64_t j = h[4]; j < h[5]; ++j) b[j] = uint8_t(r.next());  // codes (and the padding after them)
+    const int64_t floats = h[0] * (c.k / h[1]) * kPanel;
+    for (int64_t j = 0; j < floats; ++j) {
+      reinterpret_cast<float*>(b + h[5])[j] = scale_value(r);
+      if (h[6] >= 0) reinterpret_cast<float*>(b + h[6])[j] = scale_value(r);
+    }
+  }
+  return blob;
+}
+
 // "" when got and want hold the same bits, else where they first differ.
 std::string compare(const at::Tensor& got, const at::Tensor& want, const Case& c, bool fp32) {
   const at::Tensor g = got.view(fp32 ? at::kInt : at::kShort), w = want.view(fp32 ? at::kInt : at::kShort);
@@ -100,6 +145,16 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
         if (!why.empty()) return why;
       }
     }
+  for (int f = 0; f < 4; ++f) {  // quantized weights: dequantized by the path's ISA, then its kernel
+    const Case& c = kQuantCases[f];
+    const at::Tensor w = make_quant(r, c, f);
+    for (int fp32 = 0; fp32 <= int(fp32_x); ++fp32) {
+      const at::Tensor x = make_x(r, c, fp32);
+      const std::string why = compare(run(x, w, c.n, c10::nullopt),
+                                      linear_reference(x, w, c.n, c10::nullopt, fp32), c, fp32);
+      if (!why.empty()) return "quantized weight, " + why;
+    }
+  }
   return "";
 }
 

@@ -1,0 +1,136 @@
+"""GGUF tensors kept quantized: each supported type's blocks as codes and fp32 scales (and offsets).
+
+For every type below, `bf16(scale * (q - zero) [+ offset])` computes exactly what gguf-py's
+dequantizer computes in fp32 (the same operations on the same values, in the same order: the K-quants'
+scale is the fp32 product d * sc, as gguf-py forms it), so the value is the bf16 the loader stores
+(tests/test_quantized.py checks every type). Other types are dequantized at load, as before.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.quant_pack import QuantCodes
+
+QK_K = 256
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """gguf-py's nibble order: each run of `run` bytes gives `run` low nibbles, then `run` high ones."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(nb, -1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Q5_0/Q5_1: bit i of the 32-bit word is element i's fifth bit."""
+    qh = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(count, dtype=np.uint32).reshape(1, -1)
+    return (qh & np.uint32(1)).astype(np.uint8)
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None, 8, 0, 32
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:], 16), _f16(b[:, :2]), None, 4, 8, 32
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4]), 4, 0, 32
+
+
+def _q5_0(b):
+    q = (_nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return q, _f16(b[:, :2]), None, 8, 0, 32
+
+
+def _q5_1(b):
+    q = (_nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << np.uint8(4))).astype(np.int8)
+    return q, _f16(b[:, :2]), _f16(b[:, 2:4]), 8, 0, 32
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: per 32 elements, the fp32 scale d * sc and the offset -(dmin * m)."""
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(nb, 3, 4)
+    dd, mm, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], axis=-1)
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q4_k(b):
+    scale, offset = _k_scales(b)
+    return _nibbles(b[:, 16:], 32), scale, offset, 4, 0, 32
+
+
+def _q5_k(b):
+    nb = b.shape[0]
+    scale, offset = _k_scales(b)
+    ql = _nibbles(b[:, 48:], 32).reshape(nb, -1, 32)
+    qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = (ql | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, -1).astype(np.int8)
+    return q, scale, offset, 8, 0, 32
+
+
+def _q6_k(b):
+    nb = b.shape[0]
+    ql = _nibbles(b[:, :QK_K // 2], 64).reshape(nb, -1, 32)
+    qh = b[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & np.uint8(3)).reshape(nb, -1, 32)
+    q = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(nb, -1)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    return q, _f16(b[:, 208:210]) * sc, None, 8, 0, 16
+
+
+# GGUF type name -> (block size, bytes per block, the extraction)
+TYPES = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
+         "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k)}
+
+
+class QuantFormatError(ValueError):
+    """A quantized tensor whose scales are not finite: the file is corrupt."""
+
+
+def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> QuantCodes | None:
+    """A GGUF tensor's rows ([n, row bytes] uint8, as gguf's reader maps them) as codes and scales;
+    None for a type kept in bf16 (F32, F16, BF16, Q2_K, Q3_K, IQ*...)."""
+    if type_name not in TYPES:
+        return None
+    size, nbytes, extract = TYPES[type_name]
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(-1, nbytes)
+    q, scale, offset, bits, zero, group = extract(blocks)
+    for s in (scale, offset):
+        if s is not None and not np.isfinite(s).all():
+            raise QuantFormatError(f"{name} ({type_name}) has scales that are not finite numbers: the file is corrupt")
+    return QuantCodes(q.reshape(n, -1), scale.reshape(n, -1).astype(np.float32),
+                      None if offset is None else offset.reshape(n, -1).astype(np.float32), bits, zero, group,
+                      type_name.lower())
+
+
+class GGUFMatrix:
+    """A quantized GGUF matrix by its Hugging Face name, read when the model is built (one matrix at a
+    time, so memory holds the repacked model, never a second copy). `heads`: undo llama.cpp's Q/K row
+    interleave for that many heads (gguf_import.unpermute)."""
+
+    def __init__(self, tensor, heads: int | None = None):
+        self.tensor, self.heads = tensor, heads
+        self.shape = (int(tensor.data.shape[0]), int(tensor.shape[0]))  # GGUF shapes are reversed: [k, n]
+
+    def codes(self) -> QuantCodes:
+        c = quant_codes(self.tensor.data, self.tensor.tensor_type.name, self.tensor.name)
+        if self.heads is None:
+            return c
+        def rows(a):
+            return None if a is None else \
+                np.ascontiguousarray(a.reshape(self.heads, -1, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+        return QuantCodes(rows(c.codes), rows(c.scale), rows(c.offset), c.bits, c.zero, c.group, c.format)
+
+    def bf16(self):
+        return self.codes().bf16()

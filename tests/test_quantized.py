@@ -1,0 +1,127 @@
+"""Quantized weights that stay quantized give the bf16 weights' bits (issue 33).
+
+Each supported GGUF type's element must dequantize to exactly the bf16 value the bf16 loader
+stores (gguf-py's fp32 dequantization, then one rounding), in Python (QuantCodes.bf16), in the C++
+reference and in each ISA's dequantizer; the linear over a quantized matrix must equal the linear
+over the same values packed as bf16, on every path this CPU runs; and the embedded model (Q4_1, its
+tied head Q8_0) must give the same tokens and logprobs with `weights="auto"` as with `"bf16"`.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from margingate.kernels import invariant as K
+from margingate.kernels.packing import pack
+from margingate.kernels.quant_pack import QuantWeight, panelable, quant_weight
+from margingate.models.gguf_quant import TYPES, QuantFormatError, quant_codes
+
+# Where each type's fp16 fields lie in its block: random bytes there could be NaN or infinity.
+FP16_FIELDS = {"Q8_0": (0, 2), "Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4),
+               "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+
+
+def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row bytes] of valid blocks: random codes, finite fp16 scales of both signs and wide range."""
+    size, nbytes, _ = TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+    a, b = FP16_FIELDS[type_name]
+    scales = (rng.standard_normal((blocks.shape[0], (b - a) // 2)) * 2.0 ** rng.integers(-14, 4, (1,))).astype(np.float16)
+    scales[rng.random(scales.shape) < 0.05] = 0  # zero scales: signed zeros come out of them
+    blocks[:, a:b] = scales.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def loader_bf16(data: np.ndarray, type_name: str) -> torch.Tensor:
+    """What the bf16 loader stores (gguf_import.bf16_tensor): gguf-py's dequantization, rounded."""
+    return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]).copy()).to(torch.bfloat16)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+def test_every_type_dequantizes_to_the_loaders_bf16_bit_for_bit(type_name):
+    """Python's codes and scales, the C++ reference (whole matrix and rows) and the loader agree."""
+    data = random_tensor(type_name, 48, 512, seed=len(type_name))
+    want = loader_bf16(data, type_name)
+    codes = quant_codes(data, type_name)
+    assert codes.format == type_name.lower()
+    assert same_bits(codes.bf16(), want)
+    w = quant_weight([codes])
+    assert same_bits(w.unpack(), want)
+    rows = torch.tensor([0, 17, 47, 17])
+    assert same_bits(w.rows(rows), want[rows])
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 200])
+def test_the_linear_over_quantized_panels_equals_the_bf16_linear_on_every_path(m):
+    """A fused matrix of three GGUF types (q|k|v of a Q4_K_M file mixes them), against the same
+    values packed as bf16, at every path this CPU runs, with and without a bias, bf16 and fp32 x."""
+    parts = [quant_codes(random_tensor(t, n, 512, seed=i), t) for i, (t, n) in
+             enumerate([("Q4_K", 32), ("Q6_K", 16), ("Q5_0", 20)])]
+    w = quant_weight(parts)
+    assert w.formats == ("q4_k", "q6_k", "q5_0") and w.shape == (68, 512)
+    dense = pack(torch.cat([p.bf16() for p in parts]))
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+    bias = torch.randn(68, generator=g)
+    before = K.linear_path()
+    try:
+        for path in K.linear_paths():
+            K.use_path(path)
+            for b in (None, bias):
+                assert same_bits(K.linear(x, w, b), K.linear(x, dense, b)), (path, b is None)
+            if path in ("avx512", "avx2"):
+                xf = x.float() * 1.001
+                assert torch.equal(K.linear(xf, w), K.linear(xf, dense)), path
+    finally:
+        K.use_path(before)
+    assert same_bits(K.linear_reference(x, w), K.linear(x, dense))
+
+
+def test_rows_that_do_not_fill_panels_are_not_fused_quantized():
+    parts = [quant_codes(random_tensor("Q8_0", n, 64), "Q8_0") for n in (20, 16)]
+    assert not panelable(parts) and panelable(parts[::-1])
+    with pytest.raises(ValueError, match="whole panels"):
+        quant_weight(parts)
+
+
+def test_a_scale_that_is_not_finite_is_refused_with_the_tensors_name():
+    data = random_tensor("Q4_0", 16, 64)
+    data[3, :2] = np.array([np.inf], np.float16).view(np.uint8)
+    with pytest.raises(QuantFormatError, match="blk.0.attn_q.weight .Q4_0. has scales that are not finite"):
+        quant_codes(data, "Q4_0", "blk.0.attn_q.weight")
+
+
+def test_a_damaged_quantized_matrix_is_an_error_not_a_wrong_product():
+    w = quant_weight([quant_codes(random_tensor("Q4_1", 16, 64), "Q4_1")])
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="quantized weight is \\[16, 64\\]"):
+        K.ops().linear(x, w.data, 17, None, False)
+    short = QuantWeight(w.data[:200].clone(), 16, 64, w.formats)
+    with pytest.raises(RuntimeError, match="lies outside the tensor"):
+        K.linear(x, short)
+
+
+def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logprobs(llm, prompts):
+    """`weights="auto"` (the default: Q4_1 matrices, the tied Q8_0 head) against `"bf16"`, greedy,
+    under `reference` and `fast` (batched), with logprobs; the report names each group's storage."""
+    from margingate.llm import LLM
+    from margingate.options import SamplingParams
+
+    bf16 = LLM(max_batch_size=4, weights="bf16")
+    assert llm.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
+                                            "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}
+    assert set(bf16.environment()["weights"].values()) == {"bf16"}
+    chosen = [prompts[i] for i in (0, 9, 21, 33)]
+    params = SamplingParams(logprobs=2)
+    for policy in ("reference", "fast"):
+        got = llm.generate(chosen, max_new_tokens=24, policy=llm.policy(policy), sampling=params)
+        want = bf16.generate(chosen, max_new_tokens=24, policy=bf16.policy(policy), sampling=params)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], policy
+        assert [c.logprobs for c in got] == [c.logprobs for c in want], policy
