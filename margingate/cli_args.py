@@ -236,7 +236,8 @@ def prompts(args) -> list[Prompt]:
 def llm(args, max_batch_size: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
-    return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights, max_batch_size=max_batch_size,
+    return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights,
+               max_batch_size=max_batch_size,
                draft_model=getattr(args, "draft_model", None),
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
                prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0)

@@ -29,7 +29,8 @@ def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
     a, b = FP16_FIELDS[type_name]
-    scales = (rng.standard_normal((blocks.shape[0], (b - a) // 2)) * 2.0 ** rng.integers(-14, 4, (1,))).astype(np.float16)
+    wide = 2.0 ** rng.integers(-14, 4, (1,))
+    scales = (rng.standard_normal((blocks.shape[0], (b - a) // 2)) * wide).astype(np.float16)
     scales[rng.random(scales.shape) < 0.05] = 0  # zero scales: signed zeros come out of them
     blocks[:, a:b] = scales.view(np.uint8)
     return blocks.reshape(n, -1)
@@ -37,7 +38,8 @@ def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 def loader_bf16(data: np.ndarray, type_name: str) -> torch.Tensor:
     """What the bf16 loader stores (gguf_import.bf16_tensor): gguf-py's dequantization, rounded."""
-    return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]).copy()).to(torch.bfloat16)
+    values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(values.copy()).to(torch.bfloat16)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

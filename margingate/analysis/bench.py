@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from .. import cli_args
+from ..models.loader import gguf_parts
 from ..options import PolicySpec
 from . import compare, plots
-from .outputs import machine_line, percent, write_report
+from .outputs import machine_line, percent, rss_mb, write_report
 from .passes import format_profile, pass_profile
 from .peers import PEERS, make_peers
 from .roofline import StepCost, format_roofline, measure, roofline
@@ -209,6 +210,8 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         for row in summary.values():
             row["floor_fraction"] = row["tokens_per_s"] / floor["floor"][f"B{b}"]["tokens_per_s"]
         report["main"][f"B{b}"] = summary
+        report.setdefault("rss_mb", {})[f"B{b}"] = {"margingate": rss_mb(),
+                                                    **{k: p.get("rss_mb") for k, p in report["peers"].items()}}
         if profile_passes and b == max(batch_sizes) and len(prompts_ids) >= b:
             report["pass_profile"] = pass_profile(llm, prompts_ids, repeats=max(3, repeats))
         bench.peers = {}  # the protected-share sweep is about our policies only
@@ -233,6 +236,10 @@ def markdown(report: dict) -> str:
         parts.append(format_roofline(report["roofline"]))
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
+        rss = report.get("rss_mb", {}).get(key, {})
+        if rss:  # resident memory once the runs are done: the model, its KV cache, the runtime
+            parts.append("Resident memory after the runs: " + ", ".join(
+                f"{k} {v:,.0f} MB" for k, v in rss.items() if v is not None) + ".")
         peers = [v for v in summary if v in {c.name for c in PEERS.values()}]
         if peers and BASELINE in summary:
             ratios = ", ".join(f"{summary[BASELINE]['tokens_per_s'] / summary[v]['tokens_per_s']:.2f}x {v}"
@@ -304,7 +311,9 @@ def _cmd(args) -> None:
     else:
         prompts = cli_args.prompts(args)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
-    peers = make_peers(peer_names, llm.folder, llm.engine.num_threads)
+    quantized = set(llm.environment()["weights"].values()) != {"bf16"}
+    parts = gguf_parts(args.model) if quantized else None
+    peers = make_peers(peer_names, llm.folder, llm.engine.num_threads, parts[0] if parts and len(parts) == 1 else None)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
                        workload=args.dataset or args.prompts_file or "built-in prompts",

@@ -95,6 +95,11 @@ class Decoder:
         lc.llama_backend_free()
 
 
+def rss_mb() -> float:
+    """Resident memory now (VmRSS), MB: the model and its KV cache after the runs."""
+    return int(next(s for s in open("/proc/self/status") if s.startswith("VmRSS:")).split()[1]) / 1024
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     ids, n, b = job["prompt_ids"], job["max_new_tokens"], job["batch_size"]
@@ -108,11 +113,11 @@ def main(job_path: str, result_path: str) -> None:
         outputs = dec.run(ids, n, b)
         seconds.append(time.perf_counter() - t)
     alone = [dec.group([p], n)[0] for p in ids]
-    settings = dec.settings
+    settings, rss = dec.settings, rss_mb()
     dec.close()
     with open(result_path, "w") as f:
         json.dump({"seconds": seconds, "outputs": outputs, "alone": alone, "version": lc.__version__,
-                   "settings": settings}, f)
+                   "settings": settings, "rss_mb": rss}, f)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,15 @@ def percent(v: float | None, decimals: int = 1) -> str:
     return "-" if v is None else f"{100 * v:.{decimals}f}%"
 
 
+def rss_mb() -> float | None:
+    """This process's resident memory now (VmRSS), in MB; None where /proc is not there."""
+    try:
+        line = next(s for s in open("/proc/self/status") if s.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
+
+
 def machine_line(env: dict) -> str:
     """What the numbers ran on, in one line: CPU and ISA, threads, torch, kernel version and path."""
     return (f"{env.get('cpu', '?')} ({', '.join(env.get('cpu_isa', [])) or 'ISA ?'}), "

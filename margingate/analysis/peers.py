@@ -139,28 +139,33 @@ class VLLMPeer(WorkerPeer):
 
 
 class LlamaCppPeer(WorkerPeer):
-    """llama.cpp (llama-cpp-python) in its own venv, on a BF16 GGUF of the model folder's weights; one
-    worker process per batch size (n_seq_max = B), at the bench's thread count."""
+    """llama.cpp (llama-cpp-python) in its own venv, on the GGUF our engine runs kept quantized (`gguf`:
+    the same file), else on a BF16 GGUF of the model folder's weights; one worker process per batch
+    size (n_seq_max = B), at the bench's thread count."""
     name = "llama.cpp"
     label, worker, default_python = "llamacpp", "llamacpp_worker.py", LLAMACPP_PYTHON
     python_env, make_target, needs = "MARGINGATE_LLAMACPP_PYTHON", "llamacpp-venv", "llama-cpp-python"
 
-    def __init__(self, folder: Path, threads: int, python: str | None = None):
+    def __init__(self, folder: Path, threads: int, python: str | None = None, gguf: Path | None = None):
         super().__init__(folder, threads, python)
         from ..models.gguf_export import bf16_gguf
 
-        self.gguf = bf16_gguf(folder)  # written once, beside the model folder
+        self.quantized = gguf is not None
+        self.gguf = gguf or bf16_gguf(folder)  # the BF16 one is written once, beside the model folder
 
     def job(self) -> dict:
         return {"gguf": str(self.gguf), "threads": self.threads}
 
     def facts(self) -> dict:
-        return {"weights": f"BF16 GGUF written from the model folder's weights: {self.gguf}"}
+        return {"weights": f"the GGUF file ours runs kept quantized: {self.gguf}" if self.quantized else
+                f"BF16 GGUF written from the model folder's weights: {self.gguf}"}
 
 
 # --peers name -> peer; each reports under its class's `name`
 PEERS = {"hf": HFPeer, "vllm": VLLMPeer, "llamacpp": LlamaCppPeer}
 
 
-def make_peers(names: list[str], folder: Path, threads: int) -> dict:
-    return {PEERS[n].name: PEERS[n](folder, threads) for n in names}
+def make_peers(names: list[str], folder: Path, threads: int, gguf: Path | None = None) -> dict:
+    """The peers by name; `gguf`: the quantized file our engine runs, which llama.cpp then runs too."""
+    return {PEERS[n].name: PEERS[n](folder, threads, **({"gguf": gguf} if n == "llamacpp" else {}))
+            for n in names}

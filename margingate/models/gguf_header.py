@@ -64,6 +64,13 @@ class _Cursor:
 def check_header(path: Path, tensor_types: dict[int, tuple[int, int]]) -> int:
     """Raise `HeaderError` unless every field of `path`'s header is backed by the file; the number of
     tensors. `tensor_types`: each GGML type id -> (elements per block, bytes per block)."""
+    return len(tensor_table(path, tensor_types))
+
+
+def tensor_table(path: Path, tensor_types: dict[int, tuple[int, int]]) -> list[tuple[str, list[int], int, int, int]]:
+    """`check_header`'s walk, returning each tensor as (name, GGUF dims (reversed: [k, n]), type id,
+    the byte its data starts at in the file, its bytes): what reading the tensors needs, without
+    decoding the metadata's values (a tokenizer's 50k strings)."""
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         if size < 24:
@@ -72,7 +79,7 @@ def check_header(path: Path, tensor_types: dict[int, tuple[int, int]]) -> int:
             return _walk(_Cursor(buf, size), tensor_types)
 
 
-def _walk(c: _Cursor, tensor_types: dict[int, tuple[int, int]]) -> int:
+def _walk(c: _Cursor, tensor_types: dict[int, tuple[int, int]]) -> list:
     if c.take("<4s", "the magic") != b"GGUF":
         raise HeaderError("no GGUF magic")
     version = c.take("<I", "the version")
@@ -97,11 +104,11 @@ def _walk(c: _Cursor, tensor_types: dict[int, tuple[int, int]]) -> int:
     for i in range(n_tensors):
         ends.append(_tensor(c, i, tensor_types, alignment))
     data = -(-c.at // alignment) * alignment
-    for name, end in ends:
-        if data + end > c.size:
-            raise HeaderError(f"tensor {name} ends at byte {data + end:,}, past the end of the file "
+    for name, dims, kind, offset, nbytes in ends:
+        if data + offset + nbytes > c.size:
+            raise HeaderError(f"tensor {name} ends at byte {data + offset + nbytes:,}, past the end of the file "
                               f"({c.size:,} bytes)")
-    return n_tensors
+    return [(name, dims, kind, data + offset, nbytes) for name, dims, kind, offset, nbytes in ends]
 
 
 def _value(c: _Cursor, kind: int, what: str, depth: int) -> None:
@@ -122,7 +129,7 @@ def _value(c: _Cursor, kind: int, what: str, depth: int) -> None:
         raise HeaderError(f"{what} has value type {kind}, which GGUF does not define here")
 
 
-def _tensor(c: _Cursor, i: int, tensor_types: dict[int, tuple[int, int]], alignment: int) -> tuple[str, int]:
+def _tensor(c: _Cursor, i: int, tensor_types: dict[int, tuple[int, int]], alignment: int) -> tuple:
     name = c.string(f"the name of tensor {i}")
     n_dims = c.take("<I", f"the dimension count of {name}")
     if not 1 <= n_dims <= MAX_DIMS:
@@ -142,4 +149,4 @@ def _tensor(c: _Cursor, i: int, tensor_types: dict[int, tuple[int, int]], alignm
     offset = c.take("<Q", f"the offset of {name}")
     if offset % alignment:
         raise HeaderError(f"tensor {name} starts at offset {offset}, not a multiple of {alignment}")
-    return name, offset + elements // block * block_bytes
+    return name, dims, kind, offset, elements // block * block_bytes

@@ -153,27 +153,42 @@ def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     return w.to(torch.bfloat16).contiguous()
 
 
-def load_quantized(paths: list[Path]) -> dict:
+class RawTensor:
+    """A GGUF tensor as gguf's reader presents one (name, tensor_type, shape, data), mapped straight from
+    the file's tensor table: no reader, which decodes every metadata value first (seconds per load)."""
+
+    def __init__(self, gguf, mapped, entry: tuple):
+        self.name, dims, kind, start, nbytes = entry
+        self.tensor_type, self.shape = gguf.GGMLQuantizationType(kind), dims
+        block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor_type]
+        row = dims[0] // block * block_bytes
+        self.data = mapped[start:start + nbytes].reshape(*reversed(dims[1:]), row)
+
+
+def load_quantized(paths: list[Path], config: dict) -> dict:
     """The GGUF's tensors by Hugging Face name, straight from the file: each matrix of a type
     gguf_quant keeps quantized as a GGUFMatrix (read when the model is built), every other tensor
-    dequantized to bf16 exactly as `convert` writes it."""
+    dequantized to bf16 exactly as `convert` writes it. `config`: the converted folder's config.json
+    (architecture and heads)."""
     import gguf
+    import numpy as np
 
+    from .gguf_header import tensor_table
     from .gguf_quant import TYPES, GGUFMatrix
 
-    parts = readers(paths)
-    meta = metadata(parts[0])
-    arch = architecture(meta, paths[0])
-    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    arch = next(a for a, spec in ARCHS.items() if spec[1] == config["model_type"])
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch][3] else {}
+    sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
     state = {}
-    for t in (t for r in parts for t in r.tensors):
-        name = hf_name(t.name, arch)
-        if t.tensor_type.name in TYPES and len(t.shape) == 2:
-            heads = {".attn_q.": n_heads, ".attn_k.": n_kv}
-            permuted = next((h for key, h in heads.items() if key in t.name), None) if ARCHS[arch][3] else None
-            state[name] = GGUFMatrix(t, permuted)
-        else:
-            state[name] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+    for path in paths:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        for entry in tensor_table(path, sizes):
+            t = RawTensor(gguf, mapped, entry)
+            if t.tensor_type.name in TYPES and len(t.shape) == 2:
+                state[hf_name(t.name, arch)] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
+            else:
+                state[hf_name(t.name, arch)] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
     return state
 
 

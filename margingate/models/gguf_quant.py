@@ -81,7 +81,8 @@ def _q5_k(b):
 def _q6_k(b):
     nb = b.shape[0]
     ql = _nibbles(b[:, :QK_K // 2], 64).reshape(nb, -1, 32)
-    qh = b[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    qh = b[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(nb, -1, 1, 32) >> shifts
     qh = (qh & np.uint8(3)).reshape(nb, -1, 32)
     q = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(nb, -1)
     sc = b[:, 192:208].view(np.int8).astype(np.float32)

@@ -174,7 +174,8 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: lis
     GGUF parts instead, their quantized matrices kept quantized (gguf_import.load_quantized)."""
     if gguf is not None:
         check_fits(sum(p.stat().st_size for p in gguf), f"the weights of {gguf[0]}")
-        return Checkpoint(gguf_import.load_quantized(gguf), source=str(gguf[0]))
+        config = json.loads((folder / "config.json").read_text())
+        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]))
     files = sorted(folder.glob("*.safetensors"))
     check_fits(sum(f.stat().st_size for f in files) * dtype.itemsize // 2, f"the weights of {folder}")
     state = Checkpoint({}, source=str(folder))

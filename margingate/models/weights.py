@@ -23,7 +23,8 @@ class WeightsError(ValueError):
     """A checkpoint's tensors do not match what its config.json says the model is."""
 
 
-Matrix = torch.Tensor | PackedWeight | QuantWeight  # packed (or kept quantized) for our kernels, plain for the library's
+# packed (or kept quantized) for our kernels, plain for the library's
+Matrix = torch.Tensor | PackedWeight | QuantWeight
 MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")
 
 
