@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from .. import cli_args
-from ..models.loader import gguf_parts
 from ..options import PolicySpec
 from . import compare, plots
 from .outputs import machine_line, percent, rss_mb, write_report
@@ -311,6 +310,8 @@ def _cmd(args) -> None:
     else:
         prompts = cli_args.prompts(args)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
+    from ..models.loader import gguf_parts  # loads torch: only when the command runs
+
     quantized = set(llm.environment()["weights"].values()) != {"bf16"}
     parts = gguf_parts(args.model) if quantized else None
     peers = make_peers(peer_names, llm.folder, llm.engine.num_threads, parts[0] if parts and len(parts) == 1 else None)

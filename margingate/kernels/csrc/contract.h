@@ -19,6 +19,10 @@
 //    no fp32 path: AVX-512 or AVX2).
 //    Weights are packed once at load, in AMX's VNNI panels: panel p holds columns [16p, 16p + 16);
 //    its pair q is 32 bf16, (W[16p + l][2q], W[16p + l][2q + 1]) for l = 0..15 (packing.py).
+//    Dequantization is part of the weight, not of the reduction: a quantized weight (quant.cpp) is
+//    its bf16 values, each bf16(scale * (q - zero) [+ offset]) in fp32 then rounded once, exactly as
+//    the bf16 loader stores them; the linear reduces those bf16 values in this order. So a GGUF kept
+//    quantized gives its dequantized model's bits. x is never quantized.
 // 2. other dot products (q.k, RMSNorm's sum of squares): 8 fp32 lanes, lane l accumulates the
 //    products of k = l mod 8 in ascending k (one FMA chain), then `hsum` adds the lanes in a fixed tree.
 // 3. attention: keys in chunks of kChunk positions counted from the row's first key (position 0,
