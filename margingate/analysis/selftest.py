@@ -50,7 +50,7 @@ def reference_digest(llm) -> dict:
     out = llm.generate(prompts, max_new_tokens=NEW_TOKENS, policy=llm.policy("reference"))
     ids = [c.token_ids for c in out]
     return {"digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16], "model": llm.model_name,
-            "prompts": len(prompts), "new_tokens": NEW_TOKENS}
+            "prompts": len(prompts), "new_tokens": NEW_TOKENS, "weights": llm.environment()["weights"]}
 
 
 def format_report(r: dict) -> str:
@@ -69,6 +69,8 @@ def format_report(r: dict) -> str:
     d = r["reference"]
     lines.append(f"reference digest  {d['digest']}  ({d['model']}, {d['prompts']} built-in prompts x "
                  f"{d['new_tokens']} tokens, greedy; compare with the README's table)")
+    stored = ", ".join(f"{g} {f}" for g, f in d.get("weights", {}).items())
+    lines.append(f"weights  {stored}  (kept quantized or bf16: the same digest either way)")
     return "\n".join(lines)
 
 

@@ -126,40 +126,52 @@ inline __m512 dup8(const float* v, int64_t c) {
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(v + c)));
 }
 
+// One pair row's 32 codes as bytes in the packed order (columns 0-7, then 8-15).
+template <int Bits>
+inline void code_bytes(const uint8_t* c, __m128i b[2]) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
+    const __m128i ev = _mm_and_si128(v, m), od = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+    b[0] = _mm_unpacklo_epi8(ev, od), b[1] = _mm_unpackhi_epi8(ev, od);
+  } else {
+    b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+  }
+}
+
+// quant.cpp's dequant_panel_avx2 on 16 lanes, a group at a time (the format's branches hoisted),
+// rounded by VCVTNE2PS2BF16: nearest even, the same bits as c10's rounding for every value a
+// quantized weight holds (finite, never an fp32 denormal: kernels/quant_pack.py refuses other scales).
+template <int Bits, bool Offset>
+void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
+  constexpr int64_t kRowBytes = kPanel * Bits / 4;
+  const int64_t groups = kp / q.group, rows = q.group / 2;
+  const uint8_t* c = q.codes + panel * (kp / 2) * kRowBytes;
+  const __m512i zero = _mm512_set1_epi32(Bits == 4 ? q.zero : 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel;
+    const __m512 s0 = dup8(q.scale + at, 0), s1 = dup8(q.scale + at, 8);
+    const __m512 o0 = Offset ? dup8(q.offset + at, 0) : s0, o1 = Offset ? dup8(q.offset + at, 8) : s1;
+    for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
+      __m128i b[2];
+      code_bytes<Bits>(c, b);
+      __m512 f0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[0]), zero)));
+      __m512 f1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[1]), zero)));
+      if constexpr (Offset) f0 = _mm512_add_ps(f0, o0), f1 = _mm512_add_ps(f1, o1);
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+    }
+  }
+}
+
 }  // namespace
 
-// quant.cpp's dequant_panel_avx2 on 16 lanes, rounded by VCVTNE2PS2BF16: nearest even, the same
-// bits as c10's rounding for every value a quantized weight holds (finite, never an fp32 denormal:
-// kernels/quant_pack.py refuses other scales).
 void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  const int64_t pairs = kp / 2, row_bytes = kPanel * q.bits / 4;
-  const uint8_t* c = q.codes + panel * pairs * row_bytes;
-  const __m512i zero = _mm512_set1_epi32(q.bits == 4 ? q.zero : 0);
-  __m512 s[2], o[2];
-  for (int64_t pair = 0; pair < pairs; ++pair, c += row_bytes, dst += 2 * kPanel) {
-    if (2 * pair % q.group == 0) {
-      const int64_t g = (panel * (kp / q.group) + 2 * pair / q.group) * kPanel;
-      for (int j = 0; j < 2; ++j) {
-        s[j] = dup8(q.scale + g, 8 * j);
-        if (q.offset) o[j] = dup8(q.offset + g, 8 * j);
-      }
-    }
-    __m128i b[2];  // the 32 codes as bytes in the packed order: columns 0-7, then 8-15
-    if (q.bits == 4) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
-      const __m128i ev = _mm_and_si128(v, m), od = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-      b[0] = _mm_unpacklo_epi8(ev, od), b[1] = _mm_unpackhi_epi8(ev, od);
-    } else {
-      b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-      b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
-    }
-    __m512 f[2];
-    for (int j = 0; j < 2; ++j) {
-      f[j] = _mm512_mul_ps(s[j], _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[j]), zero)));
-      if (q.offset) f[j] = _mm512_add_ps(f[j], o[j]);
-    }
-    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+  if (q.bits == 4) {
+    if (q.offset) return dequant_groups<4, true>(q, panel, kp, dst);
+    return dequant_groups<4, false>(q, panel, kp, dst);
   }
+  if (q.offset) return dequant_groups<8, true>(q, panel, kp, dst);
+  return dequant_groups<8, false>(q, panel, kp, dst);
 }
 
 void linear_avx512bf16(const LinearTask& t) {
