@@ -35,6 +35,11 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "python": platform.python_version(), "packages": package_versions()}
 
 
+def kept_quantized(env: dict) -> bool:
+    """Whether a record's model keeps any matrix quantized (a GGUF run with --weights auto)."""
+    return set(env.get("weights", {}).values()) - {"bf16"} != set()
+
+
 def versions(env: dict) -> dict:
     """The software versions of a record, as a saved profile keeps them."""
     return {"python": env["python"], "machine": env["machine"], "torch": env["torch"], **env["packages"]}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from .. import cli_args
+from ..environment import kept_quantized
 from ..options import PolicySpec
 from . import compare, plots
 from .outputs import machine_line, percent, rss_mb, write_report
@@ -312,8 +313,7 @@ def _cmd(args) -> None:
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]
     from ..models.loader import gguf_parts  # loads torch: only when the command runs
 
-    quantized = set(llm.environment()["weights"].values()) != {"bf16"}
-    parts = gguf_parts(args.model) if quantized else None
+    parts = gguf_parts(args.model) if kept_quantized(llm.environment()) else None
     peers = make_peers(peer_names, llm.folder, llm.engine.num_threads, parts[0] if parts and len(parts) == 1 else None)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .. import cli_args
 from ..engine import Request
-from ..environment import environment_record
+from ..environment import environment_record, kept_quantized
 from ..paths import cache_root
 
 CACHE_VERSION = "flips-v1"  # the format of a cached run (the name predates the other users)
@@ -76,7 +76,7 @@ class CachedRuns:
                      "torch": env["torch"], "device": env["device"],
                      **({"backend": "triton"} if env["kernels"] == "triton" else {}),
                      # quantized weights give bf16's bits, but a run is only reused with the storage it ran on
-                     **({"weights": env["weights"]} if set(env["weights"].values()) != {"bf16"} else {})}
+                     **({"weights": env["weights"]} if kept_quantized(env) else {})}
 
     def key(self, spec: dict) -> str:
         return settings_key({**self.base, **spec})

@@ -11,6 +11,7 @@ namespace {
 
 struct Shape {
   int64_t m, k, kp, n, panels;
+  c10::optional<QuantMatrix> quant;  // a quantized weight, as parsed once for the call
 };
 
 Shape check_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out) {
@@ -24,7 +25,7 @@ Shape check_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp3
     const QuantMatrix q = quant_matrix(w);
     TORCH_CHECK(q.k == k && q.n == n, "linear: x has ", k, " features and ", n, " outputs are asked for; the ",
                 "quantized weight is [", q.n, ", ", q.k, "]");
-    return {x.size(0), k, kp, n, q.panels};
+    return {x.size(0), k, kp, n, q.panels, q};
   }
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == kPanel && w.size(3) == 2,
               "linear: weight must be packed bf16 [panels, K/2, 16, 2] (kernels.packing.pack) or quantized "
@@ -32,7 +33,7 @@ Shape check_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp3
   TORCH_CHECK(w.size(1) * 2 == kp, "linear: x has ", k, " features, the packed weight ", w.size(1) * 2);
   TORCH_CHECK(n > (w.size(0) - 1) * kPanel && n <= w.size(0) * kPanel,
               "linear: ", n, " outputs do not fit ", w.size(0), " panels");
-  return {x.size(0), k, kp, n, w.size(0)};
+  return {x.size(0), k, kp, n, w.size(0), c10::nullopt};
 }
 
 // x as the path reads it, zero-padded in k: fp32 rows (FMA paths, exact widening), bf16 rows
@@ -161,7 +162,6 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
   const std::vector<float> b = bias_fp32(bias, n);
   if (s.m == 0) return at::empty({0, n}, x.options());  // no rows (a forward whose rows choose nothing)
   const bool bf16_rows = reads_bf16(path);
-  const c10::optional<QuantMatrix> q = is_quantized(packed) ? c10::make_optional(quant_matrix(packed)) : c10::nullopt;
   const at::Tensor xl = lay_out(x, s, path);
   at::Tensor out = at::empty({s.m, n}, x.options());
   const Split sp = split_for(s, at::get_num_threads());
@@ -180,8 +180,8 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
       const char* xr = x0 + r0 * x_row;
       const LinearTask t{bf16_rows ? nullptr : reinterpret_cast<const float*>(xr),
                          bf16_rows ? reinterpret_cast<const uint16_t*>(xr) : nullptr, rows, s.kp,
-                         q ? nullptr : u16(packed), p0, p1, acc.data(), ldacc};
-      run_panels(path, t, q ? &*q : nullptr);
+                         s.quant ? nullptr : u16(packed), p0, p1, acc.data(), ldacc};
+      run_panels(path, t, s.quant ? &*s.quant : nullptr);
       epilogue(acc.data(), ldacc, b, out, r0, rows, p0 * kPanel, std::min(p1 * kPanel, n));
     }
   });

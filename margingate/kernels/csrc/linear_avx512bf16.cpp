@@ -18,6 +18,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 #include "contract.h"
 #include "isa.h"
+#include "quant_codes.h"
 
 namespace mg {
 namespace {
@@ -124,19 +125,6 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
 inline __m512 dup8(const float* v, int64_t c) {
   const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(v + c)));
-}
-
-// One pair row's 32 codes as bytes in the packed order (columns 0-7, then 8-15).
-template <int Bits>
-inline void code_bytes(const uint8_t* c, __m128i b[2]) {
-  if constexpr (Bits == 4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
-    const __m128i ev = _mm_and_si128(v, m), od = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    b[0] = _mm_unpacklo_epi8(ev, od), b[1] = _mm_unpackhi_epi8(ev, od);
-  } else {
-    b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
-  }
 }
 
 // quant.cpp's dequant_panel_avx2 on 16 lanes, a group at a time (the format's branches hoisted),

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "kernels.h"
+#include "quant_codes.h"
 
 namespace mg {
 namespace {
@@ -88,7 +89,7 @@ float scale_value(Rng& r) {  // an fp16 value times a 6-bit integer, of either s
 
 at::Tensor make_quant(Rng& r, const Case& c, int f) {
   const int64_t panels = (c.n + kPanel - 1) / kPanel, parts = panels > 1 ? 2 : 1;
-  std::vector<int64_t> head = {0x3151474D, c.n, c.k, parts};
+  std::vector<int64_t> head = {kQuantMagic, c.n, c.k, parts};
   int64_t at = round_up(8 * (4 + 8 * parts), 64);
   for (int64_t i = 0; i < parts; ++i) {
     const Format& fm = kFormats[(f + i) % 4];

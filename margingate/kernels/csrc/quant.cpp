@@ -7,11 +7,11 @@
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
+#include "quant_codes.h"
 
 namespace mg {
 namespace {
 
-constexpr int64_t kMagic = 0x3151474D;  // "MGQ1"
 constexpr int64_t kHead = 4, kPartWords = 8;
 
 const int64_t* words(const at::Tensor& blob) { return reinterpret_cast<const int64_t*>(blob.data_ptr()); }
@@ -40,22 +40,29 @@ inline __m256 dup4(const float* v, int64_t c) {
   return _mm256_set_m128(_mm_unpackhi_ps(s, s), _mm_unpacklo_ps(s, s));
 }
 
-// A pair row's 32 codes as 4 x 8 int32, lanes in the packed order (column l: even, odd).
-inline void codes_row(const QuantPart& q, const uint8_t* c, __m256i out[4]) {
-  __m128i lo, hi;  // the 32 codes as bytes, in the packed order
-  if (q.bits == 4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
-    const __m128i ev = _mm_and_si128(b, m), od = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    lo = _mm_unpacklo_epi8(ev, od), hi = _mm_unpackhi_epi8(ev, od);
-  } else {
-    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+// dequant_panel_avx2 for one format, a group at a time (the format's branches hoisted): per pair row
+// 4 x 8 lanes (column l: even, odd), rounded as c10 rounds (bf16_bits8).
+template <int Bits, bool Offset>
+void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
+  constexpr int64_t kRowBytes = kPanel * Bits / 4;
+  const int64_t groups = kp / q.group, rows = q.group / 2;
+  const uint8_t* c = q.codes + panel * (kp / 2) * kRowBytes;
+  const __m256i zero = _mm256_set1_epi32(Bits == 4 ? q.zero : 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel;
+    __m256 s[4], o[4];
+    for (int j = 0; j < 4; ++j) s[j] = dup4(q.scale + at, 4 * j), o[j] = Offset ? dup4(q.offset + at, 4 * j) : s[j];
+    for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
+      __m128i b[2];
+      code_bytes<Bits>(c, b);
+      for (int j = 0; j < 4; ++j) {
+        const __m128i bytes = j % 2 ? _mm_srli_si128(b[j / 2], 8) : b[j / 2];
+        __m256 f = _mm256_mul_ps(s[j], _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepi8_epi32(bytes), zero)));
+        if constexpr (Offset) f = _mm256_add_ps(f, o[j]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * j), bf16_bits8(f));
+      }
+    }
   }
-  const __m256i zero = _mm256_set1_epi32(q.bits == 4 ? q.zero : 0);
-  out[0] = _mm256_sub_epi32(_mm256_cvtepi8_epi32(lo), zero);
-  out[1] = _mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)), zero);
-  out[2] = _mm256_sub_epi32(_mm256_cvtepi8_epi32(hi), zero);
-  out[3] = _mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)), zero);
 }
 
 }  // namespace
@@ -65,7 +72,7 @@ bool is_quantized(const at::Tensor& w) { return w.scalar_type() == at::kByte && 
 QuantMatrix quant_matrix(const at::Tensor& blob) {
   check_cpu(blob, "quantized weight");
   const int64_t size = blob.numel();
-  TORCH_CHECK(is_quantized(blob) && size >= kHead * 8 && words(blob)[0] == kMagic,
+  TORCH_CHECK(is_quantized(blob) && size >= kHead * 8 && words(blob)[0] == kQuantMagic,
               "linear: not a quantized weight (kernels.quant_pack writes them)");
   const int64_t* h = words(blob);
   QuantMatrix m{h[1], h[2], 0, {}};
@@ -99,25 +106,12 @@ std::pair<const QuantPart*, int64_t> QuantMatrix::locate(int64_t panel) const {
 }
 
 void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  const int64_t pairs = kp / 2, row_bytes = kPanel * q.bits / 4;  // code bytes per pair row
-  const uint8_t* c = q.codes + panel * pairs * row_bytes;
-  __m256 s[4], o[4];
-  for (int64_t pair = 0; pair < pairs; ++pair, c += row_bytes, dst += 2 * kPanel) {
-    if (2 * pair % q.group == 0) {  // a new group: its scales (and offsets), duplicated per pair
-      const int64_t g = (panel * (kp / q.group) + 2 * pair / q.group) * kPanel;
-      for (int j = 0; j < 4; ++j) {
-        s[j] = dup4(q.scale + g, 4 * j);
-        if (q.offset) o[j] = dup4(q.offset + g, 4 * j);
-      }
-    }
-    __m256i v[4];
-    codes_row(q, c, v);
-    for (int j = 0; j < 4; ++j) {
-      __m256 f = _mm256_mul_ps(s[j], _mm256_cvtepi32_ps(v[j]));
-      if (q.offset) f = _mm256_add_ps(f, o[j]);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * j), bf16_bits8(f));
-    }
+  if (q.bits == 4) {
+    if (q.offset) return dequant_groups<4, true>(q, panel, kp, dst);
+    return dequant_groups<4, false>(q, panel, kp, dst);
   }
+  if (q.offset) return dequant_groups<8, true>(q, panel, kp, dst);
+  return dequant_groups<8, false>(q, panel, kp, dst);
 }
 
 void dequant_panel_reference(const QuantMatrix& m, int64_t panel, uint16_t* dst) {
