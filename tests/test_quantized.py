@@ -32,6 +32,8 @@ def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     wide = 2.0 ** rng.integers(-14, 4, (1,))
     scales = (rng.standard_normal((blocks.shape[0], (b - a) // 2)) * wide).astype(np.float16)
     scales[rng.random(scales.shape) < 0.05] = 0  # zero scales: signed zeros come out of them
+    tiny = rng.random(scales.shape) < 0.05  # fp16 subnormals: the kernels' conversion must keep them
+    scales[tiny] = (rng.integers(1, 1024, tiny.sum()) * rng.choice([-1, 1], tiny.sum())).astype(np.float16) * 2.0 ** -24
     blocks[:, a:b] = scales.view(np.uint8)
     return blocks.reshape(n, -1)
 

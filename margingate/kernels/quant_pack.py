@@ -2,15 +2,21 @@
 
 Every element is `bf16(scale * (q - zero) [+ offset])`, the fp32 arithmetic gguf-py's dequantizer
 does and then the one rounding the bf16 loader does, so it holds exactly the bf16 value the loader
-would have stored (csrc/quant.cpp). The linear dequantizes a few panels at a time into a scratch and
-runs its path over them: the same products in the same order, the same bits as the bf16 weights, at
-a fraction of the bytes. A matrix is one uint8 tensor: a header of int64 words, then its parts,
-each a run of 16-row panels in one format (a fused q|k|v may hold two GGUF types):
+would have stored (csrc/quant.cpp). The scales are kept as the file has them: scale = d * s, with
+d an fp16 per block (256 k for the K-quants, 32 for the others) and s an int8 per group of 32 (16 for
+Q6_K) or none; the offset likewise. The product is exact, so it is gguf-py's fp32 scale, at the file's
+bytes. The linear dequantizes a few panels at a time into a scratch and runs its path over them: the
+same products in the same order, the same bits as the bf16 weights. A matrix is one uint8 tensor: a
+header of int64 words, then its parts, each a run of 16-row panels in one format (a fused q|k|v may
+hold two GGUF types):
 
-    header: magic "MGQ1", n, k, parts; per part: panels, group, bits, zero, codes at, scales at,
-    offsets at (-1: none), 0.
-    codes:  4-bit [panels, k / 2, 16] (k even in the low nibble) or 8-bit signed [panels, k / 2, 16, 2]
-    scales, offsets: fp32 [panels, k / group, 16]
+    header: magic "MGQ2", n, k, parts; per part: panels, group, block, bits, zero, then where its
+    codes, high, d, s, d_off and s_off lie (-1: none), 0.
+    codes: 4 to 6 bits: the low 4 bits of a pair in a byte [panels, k / 2, 16] (k even in the low
+    nibble); 8 bits: signed [panels, k / 2, 16, 2].
+    high (5 and 6 bits): the bits above 4 [panels, k / 2 / R, 16, 2], R = 8 / (bits - 4) pair rows
+    per byte, pair row r of a run at bit (bits - 4) * r.
+    d, d_off: fp16 [panels, k / block, 16]; s, s_off: int8 [panels, k / group, 16].
 """
 from __future__ import annotations
 
@@ -21,28 +27,38 @@ import torch
 
 from .packing import PANEL, PackedWeight
 
-MAGIC, ALIGN = 0x3151474D, 64
+MAGIC, ALIGN, PART_WORDS = 0x3251474D, 64, 12
 
 
 @dataclass(frozen=True)
 class QuantCodes:
-    """One matrix (or a run of its rows) as codes and scales: element (r, j) is
-    bf16(scale[r, j // group] * (codes[r, j] - zero) [+ offset[r, j // group]])."""
-    codes: np.ndarray          # [n, k]: 4-bit values 0..15 (uint8), or 8-bit signed values (int8)
-    scale: np.ndarray          # [n, k // group] fp32
-    offset: np.ndarray | None  # the same shape, or None
+    """One matrix (or a run of its rows) as codes and the file's scales: element (r, j) is
+    bf16(scale[r, j] * (codes[r, j] - zero) [+ offset[r, j]]), scale = d[r, j // block] * s[r, j // group]
+    in fp32 (s None: 1), the offset from d_off and s_off likewise (d_off None: no offset)."""
+    codes: np.ndarray           # [n, k]: 4- to 6-bit values (uint8), or 8-bit signed values (int8)
+    d: np.ndarray               # [n, k // block] fp16
+    s: np.ndarray | None        # [n, k // group] int8
+    d_off: np.ndarray | None    # like d
+    s_off: np.ndarray | None    # like s
     bits: int
     zero: int
     group: int
-    format: str                # the GGUF type it came from ("q4_k"), for reports
+    block: int
+    format: str                 # the GGUF type it came from ("q4_k"), for reports
+
+    def scales(self, d: np.ndarray, s: np.ndarray | None) -> np.ndarray:
+        """[n, k // group] fp32: d * s, the product gguf-py forms (exact)."""
+        v = np.repeat(d.astype(np.float32), self.block // self.group, axis=1)
+        return v if s is None else v * s.astype(np.float32)
 
     def bf16(self) -> torch.Tensor:
         """The plain [n, k] bf16 matrix: the same fp32 operations, then torch's rounding."""
-        q = (self.codes.astype(np.int32) - self.zero).astype(np.float32).reshape(*self.scale.shape, self.group)
-        v = self.scale[..., None] * q
-        if self.offset is not None:
-            v = v + self.offset[..., None]
-        return torch.from_numpy(v.reshape(self.codes.shape)).to(torch.bfloat16)
+        n, k = self.codes.shape
+        q = (self.codes.astype(np.int32) - self.zero).astype(np.float32).reshape(n, k // self.group, self.group)
+        v = self.scales(self.d, self.s)[..., None] * q
+        if self.d_off is not None:
+            v = v + self.scales(self.d_off, self.s_off)[..., None]
+        return torch.from_numpy(v.reshape(n, k)).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -83,20 +99,20 @@ def quant_weight(parts: list[QuantCodes]) -> QuantWeight:
         raise ValueError("quantized rows that do not fill whole panels, or of different widths")
     n, k = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
     arrays = [_panels(p) for p in parts]
-    at = _up(8 * (4 + 8 * len(parts)))
+    at = _up(8 * (4 + PART_WORDS * len(parts)))
     head = [MAGIC, n, k, len(parts)]
-    for p, (codes, scale, offset) in zip(parts, arrays):
+    for p, fields in zip(parts, arrays):
         places = []
-        for a in (codes, scale, offset):
+        for a in fields:
             places.append(at if a is not None else -1)
             at += _up(a.nbytes) if a is not None else 0
-        head += [codes.shape[0], p.group, p.bits, p.zero, *places, 0]
+        head += [fields[0].shape[0], p.group, p.block, p.bits, p.zero, *places, 0]
     blob = np.zeros(at, np.uint8)
     blob[:8 * len(head)] = np.array(head, np.int64).view(np.uint8)
-    for i, a in enumerate(x for triple in arrays for x in triple):
-        if a is not None:
-            start = head[4 + 8 * (i // 3) + 4 + i % 3]
-            blob[start:start + a.nbytes] = a.reshape(-1).view(np.uint8)
+    for i, fields in enumerate(arrays):
+        for place, a in zip(head[4 + PART_WORDS * i + 5:], fields):
+            if a is not None:
+                blob[place:place + a.nbytes] = a.reshape(-1).view(np.uint8)
     return QuantWeight(torch.from_numpy(blob), n, k, tuple(p.format for p in parts))
 
 
@@ -104,18 +120,24 @@ def _up(v: int) -> int:
     return -(-v // ALIGN) * ALIGN
 
 
-def _panels(p: QuantCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Codes, scales and offsets in panel order, the rows padded to whole panels with zeros."""
+def _panels(p: QuantCodes) -> list[np.ndarray | None]:
+    """Codes, high bits, d, s, d_off and s_off in panel order, the rows padded to whole panels with zeros."""
     n, k = p.codes.shape
     pad = -n % PANEL
     codes = np.pad(p.codes, ((0, pad), (0, 0)))
-    if p.bits == 4:
-        pairs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)  # [n, k / 2]
-        codes = pairs.reshape(-1, PANEL, k // 2).transpose(0, 2, 1)
+    pairs = codes.reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3)  # [panels, k / 2, 16, 2]
+    high = None
+    if p.bits == 8:
+        low = pairs.astype(np.int8)
     else:
-        codes = codes.astype(np.int8).reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
+        low = (pairs[..., 0] & 15) | ((pairs[..., 1] & 15) << 4)
+        if p.bits > 4:
+            width = p.bits - 4
+            runs = (pairs >> 4).reshape(pairs.shape[0], -1, 8 // width, PANEL, 2)
+            high = sum(runs[:, :, r] << (width * r) for r in range(8 // width))
 
-    def by_panel(s):
-        return None if s is None else np.pad(s, ((0, pad), (0, 0))).reshape(-1, PANEL, s.shape[1]).transpose(0, 2, 1)
-    return (np.ascontiguousarray(codes), np.ascontiguousarray(by_panel(p.scale), np.float32),
-            None if p.offset is None else np.ascontiguousarray(by_panel(p.offset), np.float32))
+    def by_panel(a):
+        return None if a is None else np.pad(a, ((0, pad), (0, 0))).reshape(-1, PANEL, a.shape[1]).transpose(0, 2, 1)
+    fields = [low.astype(np.uint8) if p.bits != 8 else low, high, by_panel(p.d), by_panel(p.s),
+              by_panel(p.d_off), by_panel(p.s_off)]
+    return [None if a is None else np.ascontiguousarray(a) for a in fields]

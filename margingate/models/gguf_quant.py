@@ -1,11 +1,15 @@
-"""GGUF tensors kept quantized: each supported type's blocks as codes and fp32 scales (and offsets).
+"""GGUF tensors kept quantized: each supported type's blocks as codes and the file's own scales.
 
 For every type below, `bf16(scale * (q - zero) [+ offset])` computes exactly what gguf-py's
 dequantizer computes in fp32 (the same operations on the same values, in the same order: the K-quants'
 scale is the fp32 product d * sc, as gguf-py forms it), so the value is the bf16 the loader stores
-(tests/test_quantized.py checks every type). Other types are dequantized at load, as before.
+(tests/test_quantized.py checks every type). The scales stay as the file stores them (fp16 d, 6- or
+8-bit sc), so a matrix kept quantized takes about the file's bytes. Other types are dequantized at
+load, as before.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -15,7 +19,7 @@ QK_K = 256
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(b).view(np.float16)
 
 
 def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
@@ -31,51 +35,50 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return (qh & np.uint32(1)).astype(np.uint8)
 
 
+# Each extraction: codes, d, s, d_off, s_off, bits, zero, group, block (QuantCodes' fields).
 def _q8_0(b):
-    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None, 8, 0, 32
+    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None, None, None, 8, 0, 32, 32
 
 
 def _q4_0(b):
-    return _nibbles(b[:, 2:], 16), _f16(b[:, :2]), None, 4, 8, 32
+    return _nibbles(b[:, 2:], 16), _f16(b[:, :2]), None, None, None, 4, 8, 32, 32
 
 
 def _q4_1(b):
-    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4]), 4, 0, 32
+    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), None, _f16(b[:, 2:4]), None, 4, 0, 32, 32
 
 
 def _q5_0(b):
-    q = (_nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << np.uint8(4))).astype(np.int8) - np.int8(16)
-    return q, _f16(b[:, :2]), None, 8, 0, 32
+    q = _nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << np.uint8(4))
+    return q, _f16(b[:, :2]), None, None, None, 5, 16, 32, 32
 
 
 def _q5_1(b):
-    q = (_nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << np.uint8(4))).astype(np.int8)
-    return q, _f16(b[:, :2]), _f16(b[:, 2:4]), 8, 0, 32
+    q = _nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << np.uint8(4))
+    return q, _f16(b[:, :2]), None, _f16(b[:, 2:4]), None, 5, 0, 32, 32
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: per 32 elements, the fp32 scale d * sc and the offset -(dmin * m)."""
+def _k_scales(b: np.ndarray) -> tuple:
+    """Q4_K/Q5_K: d and the 6-bit sc (scale d * sc per 32 elements), -dmin and the 6-bit m (offset
+    -(dmin * m): negating the fp16 is exact, so the product is gguf-py's)."""
     nb = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     s = b[:, 4:16].reshape(nb, 3, 4)
     dd, mm, md = s[:, 0], s[:, 1], s[:, 2]
     sc = np.concatenate([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], axis=-1)
-    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    return _f16(b[:, :2]), sc.astype(np.int8), -_f16(b[:, 2:4]), mn.astype(np.int8)
 
 
 def _q4_k(b):
-    scale, offset = _k_scales(b)
-    return _nibbles(b[:, 16:], 32), scale, offset, 4, 0, 32
+    return _nibbles(b[:, 16:], 32), *_k_scales(b), 4, 0, 32, QK_K
 
 
 def _q5_k(b):
     nb = b.shape[0]
-    scale, offset = _k_scales(b)
     ql = _nibbles(b[:, 48:], 32).reshape(nb, -1, 32)
     qh = b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    q = (ql | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, -1).astype(np.int8)
-    return q, scale, offset, 8, 0, 32
+    q = (ql | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, -1)
+    return q, *_k_scales(b), 5, 0, 32, QK_K
 
 
 def _q6_k(b):
@@ -83,10 +86,8 @@ def _q6_k(b):
     ql = _nibbles(b[:, :QK_K // 2], 64).reshape(nb, -1, 32)
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     qh = b[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(nb, -1, 1, 32) >> shifts
-    qh = (qh & np.uint8(3)).reshape(nb, -1, 32)
-    q = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(nb, -1)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    return q, _f16(b[:, 208:210]) * sc, None, 8, 0, 16
+    q = (ql | ((qh & np.uint8(3)).reshape(nb, -1, 32) << np.uint8(4))).reshape(nb, -1)
+    return q, _f16(b[:, 208:210]), b[:, 192:208].view(np.int8), None, None, 6, 32, 16, QK_K
 
 
 # GGUF type name -> (block size, bytes per block, the extraction)
@@ -106,13 +107,14 @@ def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> Quant
     size, nbytes, extract = TYPES[type_name]
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, nbytes)
-    q, scale, offset, bits, zero, group = extract(blocks)
-    for s in (scale, offset):
-        if s is not None and not np.isfinite(s).all():
+    q, d, s, d_off, s_off, bits, zero, group, block = extract(blocks)
+    for h in (d, d_off):
+        if h is not None and not np.isfinite(h).all():
             raise QuantFormatError(f"{name} ({type_name}) has scales that are not finite numbers: the file is corrupt")
-    return QuantCodes(q.reshape(n, -1), scale.reshape(n, -1).astype(np.float32),
-                      None if offset is None else offset.reshape(n, -1).astype(np.float32), bits, zero, group,
-                      type_name.lower())
+
+    def rows(a):
+        return None if a is None else np.ascontiguousarray(a).reshape(n, -1)
+    return QuantCodes(rows(q), rows(d), rows(s), rows(d_off), rows(s_off), bits, zero, group, block, type_name.lower())
 
 
 class GGUFMatrix:
@@ -131,7 +133,8 @@ class GGUFMatrix:
         def rows(a):
             return None if a is None else \
                 np.ascontiguousarray(a.reshape(self.heads, -1, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
-        return QuantCodes(rows(c.codes), rows(c.scale), rows(c.offset), c.bits, c.zero, c.group, c.format)
+        return dataclasses.replace(c, codes=rows(c.codes), d=rows(c.d), s=rows(c.s), d_off=rows(c.d_off),
+                                   s_off=rows(c.s_off))
 
     def bf16(self):
         return self.codes().bf16()

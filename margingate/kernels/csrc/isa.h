@@ -35,15 +35,21 @@ void linear_amx(const LinearTask& t);     // linear_amx.cpp (bf16 x only)
 bool amx_granted();                       // asks the OS for the AMX tile state once; true if granted
 
 // A run of panels of a quantized weight (quant.cpp; kernels/quant_pack.py writes them). Element
-// (column l, k) of a panel dequantizes to bf16(scale * (q - zero) [+ offset]): the fp32 multiply,
-// the fp32 add where the format has an offset, one rounding to nearest even. codes: 4-bit, one byte
-// per pair ([panel][kp / 2][16], k even in the low nibble), or 8-bit signed ([panel][kp / 2][16][2]);
-// scale and offset: [panel][kp / group][16] fp32.
+// (column l, k) of a panel dequantizes to bf16(scale * (q - zero) [+ offset]): scale = d * s, the fp32
+// product of an fp16 d per block of k and an int8 s per group (none: 1), exact; the offset likewise
+// from d_off and s_off; the fp32 multiply, the fp32 add where the format has an offset, one rounding
+// to nearest even. codes: the low 4 bits of a pair in a byte ([panel][kp / 2][16], k even in the low
+// nibble), or 8-bit signed ([panel][kp / 2][16][2]); high (5 and 6 bits): the bits above 4,
+// [panel][kp / 2 / R][16][2] with R = 8 / (bits - 4) pair rows a byte; d, d_off: [panel][kp / block][16]
+// fp16 bits; s, s_off: [panel][kp / group][16].
 struct QuantPart {
   const uint8_t* codes;
-  const float* scale;
-  const float* offset;  // null: no offset
-  int64_t panels, group;
+  const uint8_t* high;    // null below 5 bits
+  const uint16_t* d;
+  const int8_t* s;        // null: 1 (block == group)
+  const uint16_t* d_off;  // null: no offset
+  const int8_t* s_off;
+  int64_t panels, group, block;
   int bits, zero;
 };
 

@@ -15,7 +15,7 @@
 // order into its own acc): k slices of kSliceBlocks blocks, outermost, so the task's x rows of a
 // slice stay in L2 while its panels pass; then NR panels, whose slice stays in L1 while the row
 // tiles pass; then MR x NR register tiles.
-#pragma GCC target("avx512f,avx512bw,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512bf16,f16c")
 #include "contract.h"
 #include "isa.h"
 #include "quant_codes.h"
@@ -129,20 +129,23 @@ inline __m512 dup8(const float* v, int64_t c) {
 
 // quant.cpp's dequant_panel_avx2 on 16 lanes, a group at a time (the format's branches hoisted),
 // rounded by VCVTNE2PS2BF16: nearest even, the same bits as c10's rounding for every value a
-// quantized weight holds (finite, never an fp32 denormal: kernels/quant_pack.py refuses other scales).
+// quantized weight holds (finite, never an fp32 denormal: an fp16 scale times small integers).
 template <int Bits, bool Offset>
 void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  constexpr int64_t kRowBytes = kPanel * Bits / 4;
+  constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
   const int64_t groups = kp / q.group, rows = q.group / 2;
   const uint8_t* c = q.codes + panel * (kp / 2) * kRowBytes;
-  const __m512i zero = _mm512_set1_epi32(Bits == 4 ? q.zero : 0);
+  const uint8_t* hi = Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr;
+  const __m512i zero = _mm512_set1_epi32(q.zero);
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t at = (panel * groups + g) * kPanel;
-    const __m512 s0 = dup8(q.scale + at, 0), s1 = dup8(q.scale + at, 8);
-    const __m512 o0 = Offset ? dup8(q.offset + at, 0) : s0, o1 = Offset ? dup8(q.offset + at, 8) : s1;
+    alignas(64) float scale[16], offset[16];
+    group_scales(q, panel, kp, g, scale, offset);
+    const __m512 s0 = dup8(scale, 0), s1 = dup8(scale, 8);
+    const __m512 o0 = Offset ? dup8(offset, 0) : s0, o1 = Offset ? dup8(offset, 8) : s1;
     for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
       __m128i b[2];
-      code_bytes<Bits>(c, b);
+      code_bytes<Bits>(c, hi, int((Bits - 4) * (r % kRun)), b);
+      if (Bits > 4 && r % kRun == kRun - 1) hi += 32;
       __m512 f0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[0]), zero)));
       __m512 f1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[1]), zero)));
       if constexpr (Offset) f0 = _mm512_add_ps(f0, o0), f1 = _mm512_add_ps(f1, o1);
@@ -154,12 +157,7 @@ void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst
 }  // namespace
 
 void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  if (q.bits == 4) {
-    if (q.offset) return dequant_groups<4, true>(q, panel, kp, dst);
-    return dequant_groups<4, false>(q, panel, kp, dst);
-  }
-  if (q.offset) return dequant_groups<8, true>(q, panel, kp, dst);
-  return dequant_groups<8, false>(q, panel, kp, dst);
+  by_format(q, [&](auto f) { dequant_groups<decltype(f)::kBits, decltype(f)::kOffset>(q, panel, kp, dst); });
 }
 
 void linear_avx512bf16(const LinearTask& t) {

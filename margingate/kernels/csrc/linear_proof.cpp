@@ -4,11 +4,13 @@
 // tiles, AMX's 16 and 32), N (16-column panels, 2-panel tiles) and K (32-k blocks, padding, more
 // than one k slice), both regroupings of the weights (one row tile, several), zeros of both signs,
 // bf16 denormals, denormal products and results, and exponents far from 1; then quantized weights in
-// every code layout (4-bit with a zero point or offsets, 8-bit in groups of 16 or 32), dequantized by
+// every code layout (4, 5, 6 and 8 bits, scales per block and per group, offsets), dequantized by
 // the path's ISA. A few ms in all.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "kernels.h"
 #include "quant_codes.h"
@@ -73,43 +75,51 @@ at::Tensor make_packed(Rng& r, const Case& c) {
 }
 
 // Quantized weights (quant.cpp) in two parts: the first panel in format f, the rest in the next one.
+// Each format is one code layout (4, 5, 6 and 8 bits) with its scale arrays (d alone, d * s per group,
+// an offset or none), as the GGUF types have them.
 struct Format {
   int bits, zero;
-  int64_t group;
-  bool offset;
+  int64_t group, block;
+  bool s, off, s_off;
 };
-constexpr Format kFormats[] = {{4, 8, 32, false}, {4, 0, 32, true}, {8, 0, 16, false}, {8, 0, 32, true}};
+constexpr Format kFormats[] = {{4, 3, 32, 64, true, true, true},    // Q4_K's (with a zero point)
+                               {5, 16, 32, 32, false, false, false},  // Q5_0's
+                               {6, 32, 16, 32, true, false, false},   // Q6_K's
+                               {8, 0, 32, 32, false, true, false}};   // Q8_0's, with Q4_1's offset
 constexpr Case kQuantCases[] = {{1, 40, 64, 8}, {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}};
 
-float scale_value(Rng& r) {  // an fp16 value times a 6-bit integer, of either sign: what GGUF scales are
-  const uint32_t u = r.next();
-  const float fp16 = std::ldexp(1.0f + float((u >> 8) & 1023) / 1024.0f, int(u % 21) - 10);
-  return fp16 * float(1 + (u >> 18) % 63) * ((u >> 31) ? -1.0f : 1.0f);
+// Bytes of a part's codes, high bits, d, s, d_off and s_off (0: none), for np panels.
+std::vector<int64_t> array_bytes(const Format& f, int64_t np, int64_t k) {
+  const int64_t d = np * (k / f.block) * kPanel * 2, s = np * (k / f.group) * kPanel;
+  return {np * k * kPanel / (f.bits == 8 ? 1 : 2), f.bits == 5 || f.bits == 6 ? np * k / high_run(f.bits) * kPanel : 0,
+          d, f.s ? s : 0, f.off ? d : 0, f.off && f.s_off ? s : 0};
 }
 
+// Random bytes, except the fp16 d fields: finite values of either sign, subnormals among them.
 at::Tensor make_quant(Rng& r, const Case& c, int f) {
   const int64_t panels = (c.n + kPanel - 1) / kPanel, parts = panels > 1 ? 2 : 1;
   std::vector<int64_t> head = {kQuantMagic, c.n, c.k, parts};
-  int64_t at = round_up(8 * (4 + 8 * parts), 64);
+  int64_t at = round_up(8 * (4 + 12 * parts), 64);
   for (int64_t i = 0; i < parts; ++i) {
     const Format& fm = kFormats[(f + i) % 4];
-    const int64_t np = i == 0 ? 1 : panels - 1, codes = np * c.k * kPanel * fm.bits / 8;
-    const int64_t scales = np * (c.k / fm.group) * kPanel * 4;
-    const int64_t off = fm.offset ? round_up(at + codes, 64) + round_up(scales, 64) : -1;
-    head.insert(head.end(), {np, fm.group, fm.bits, fm.zero, at, round_up(at + codes, 64), off, 0});
-    at = round_up(at + codes, 64) + round_up(scales, 64) * (fm.offset ? 2 : 1);
+    const int64_t np = i == 0 ? 1 : panels - 1;
+    head.insert(head.end(), {np, fm.group, fm.block, fm.bits, fm.zero});
+    for (int64_t bytes : array_bytes(fm, np, c.k)) {
+      head.push_back(bytes ? at : -1);
+      at += round_up(bytes, 64);
+    }
+    head.push_back(0);
   }
-  at::Tensor blob = at::zeros({at}, at::dtype(at::kByte));
+  at::Tensor blob = at::empty({at}, at::dtype(at::kByte));
   uint8_t* b = blob.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < at; ++j) b[j] = uint8_t(r.next());
   std::memcpy(b, head.data(), head.size() * 8);
   for (int64_t i = 0; i < parts; ++i) {
-    const int64_t* h = head.data() + 4 + 8 * i;
-    for (int64_t j = h[4]; j < h[5]; ++j) b[j] = uint8_t(r.next());  // codes (and the padding after them)
-    const int64_t floats = h[0] * (c.k / h[1]) * kPanel;
-    for (int64_t j = 0; j < floats; ++j) {
-      reinterpret_cast<float*>(b + h[5])[j] = scale_value(r);
-      if (h[6] >= 0) reinterpret_cast<float*>(b + h[6])[j] = scale_value(r);
-    }
+    const int64_t* h = head.data() + 4 + 12 * i;
+    const int64_t halves = h[0] * (c.k / h[2]) * kPanel;
+    for (int64_t field : {h[7], h[9]})
+      for (int64_t j = 0; field >= 0 && j < halves; ++j)
+        reinterpret_cast<uint16_t*>(b + field)[j] = uint16_t(r.next() % 0x7c00 | (r.next() & 0x8000));
   }
   return blob;
 }

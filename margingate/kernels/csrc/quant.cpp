@@ -12,23 +12,33 @@
 namespace mg {
 namespace {
 
-constexpr int64_t kHead = 4, kPartWords = 8;
+constexpr int64_t kHead = 4, kPartWords = 12;
 
 const int64_t* words(const at::Tensor& blob) { return reinterpret_cast<const int64_t*>(blob.data_ptr()); }
 
-// Element (l, 2q + e) of a panel, scalar: the reference every dequantizer must equal.
-float element(const QuantPart& q, int64_t panel, int64_t kp, int64_t pair, int64_t l, int e) {
-  const int64_t pairs = kp / 2;
-  int code;
-  if (q.bits == 4) {
-    const uint8_t b = q.codes[(panel * pairs + pair) * kPanel + l];
-    code = (e ? b >> 4 : b & 15) - q.zero;
-  } else {
-    code = int8_t(q.codes[((panel * pairs + pair) * kPanel + l) * 2 + e]);
+float half(uint16_t bits) { return float(c10::Half(bits, c10::Half::from_bits())); }
+
+// Code (l, k = 2 pair + e) of a panel, scalar, zero point not yet taken.
+int code_at(const QuantPart& q, int64_t panel, int64_t pairs, int64_t pair, int64_t l, int e) {
+  const int64_t at = (panel * pairs + pair) * kPanel + l;
+  if (q.bits == 8) return int8_t(q.codes[at * 2 + e]);
+  const uint8_t b = q.codes[at];
+  int code = e ? b >> 4 : b & 15;
+  if (q.bits > 4) {
+    const int64_t run = high_run(q.bits), width = q.bits - 4;
+    const uint8_t h = q.high[((panel * (pairs / run) + pair / run) * kPanel + l) * 2 + e];
+    code |= ((h >> (width * (pair % run))) & ((1 << width) - 1)) << 4;
   }
-  const int64_t g = (panel * (kp / q.group) + 2 * pair / q.group) * kPanel + l;
-  const float v = q.scale[g] * float(code);
-  return q.offset ? v + q.offset[g] : v;
+  return code;
+}
+
+// Element (l, 2 pair + e) of a panel, scalar: the reference every dequantizer must equal.
+float element(const QuantPart& q, int64_t panel, int64_t kp, int64_t pair, int64_t l, int e) {
+  const int64_t j = 2 * pair + e, at_d = (panel * (kp / q.block) + j / q.block) * kPanel + l;
+  const int64_t at_s = (panel * (kp / q.group) + j / q.group) * kPanel + l;
+  const float scale = half(q.d[at_d]) * (q.s ? float(q.s[at_s]) : 1.0f);
+  const float v = scale * float(code_at(q, panel, kp / 2, pair, l, e) - q.zero);
+  return q.d_off ? v + half(q.d_off[at_d]) * (q.s_off ? float(q.s_off[at_s]) : 1.0f) : v;
 }
 
 uint16_t bf16_rne(float v) { return c10::BFloat16(v).x; }
@@ -44,17 +54,20 @@ inline __m256 dup4(const float* v, int64_t c) {
 // 4 x 8 lanes (column l: even, odd), rounded as c10 rounds (bf16_bits8).
 template <int Bits, bool Offset>
 void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  constexpr int64_t kRowBytes = kPanel * Bits / 4;
+  constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
   const int64_t groups = kp / q.group, rows = q.group / 2;
   const uint8_t* c = q.codes + panel * (kp / 2) * kRowBytes;
-  const __m256i zero = _mm256_set1_epi32(Bits == 4 ? q.zero : 0);
+  const uint8_t* hi = Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr;
+  const __m256i zero = _mm256_set1_epi32(q.zero);
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t at = (panel * groups + g) * kPanel;
+    alignas(32) float scale[16], offset[16];
+    group_scales(q, panel, kp, g, scale, offset);
     __m256 s[4], o[4];
-    for (int j = 0; j < 4; ++j) s[j] = dup4(q.scale + at, 4 * j), o[j] = Offset ? dup4(q.offset + at, 4 * j) : s[j];
+    for (int j = 0; j < 4; ++j) s[j] = dup4(scale, 4 * j), o[j] = Offset ? dup4(offset, 4 * j) : s[j];
     for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
       __m128i b[2];
-      code_bytes<Bits>(c, b);
+      code_bytes<Bits>(c, hi, int((Bits - 4) * (r % kRun)), b);
+      if (Bits > 4 && r % kRun == kRun - 1) hi += 32;
       for (int j = 0; j < 4; ++j) {
         const __m128i bytes = j % 2 ? _mm_srli_si128(b[j / 2], 8) : b[j / 2];
         __m256 f = _mm256_mul_ps(s[j], _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepi8_epi32(bytes), zero)));
@@ -63,6 +76,28 @@ void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst
       }
     }
   }
+}
+
+// One part's header words (panels, group, block, bits, zero, then where its arrays lie), checked.
+QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t* p, int64_t i) {
+  const int64_t panels = p[0], group = p[1], block = p[2], bits = p[3], zero = p[4];
+  const bool high = bits == 5 || bits == 6, blocks = block % group == 0 && k % block == 0;
+  TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && blocks && (bits == 4 || high || bits == 8) &&
+                  zero >= 0 && zero < (bits == 8 ? 1 : 1 << bits),
+              "quantized weight: part ", i, " has a bad format");
+  const bool s_ok = p[8] >= 0 || block == group, off_ok = p[9] >= 0 ? p[10] >= 0 || block == group : p[10] == -1;
+  TORCH_CHECK(p[5] >= 0 && (p[6] >= 0) == high && p[7] >= 0 && s_ok && off_ok,
+              "quantized weight: part ", i, " lacks codes or scales its format needs");
+  const int64_t per_block = panels * (k / block) * kPanel, per_group = panels * (k / group) * kPanel;
+  const int64_t sizes[6] = {panels * k * kPanel / (bits == 8 ? 1 : 2), panels * k / 2 / high_run(int(bits)) * 2 * kPanel,
+                            2 * per_block, per_group, 2 * per_block, per_group};
+  for (int a = 0; a < 6; ++a)
+    TORCH_CHECK(p[5 + a] == -1 || (p[5 + a] >= 0 && p[5 + a] % 2 == 0 && p[5 + a] + sizes[a] <= size),
+                "quantized weight: part ", i, " lies outside the tensor");
+  auto at = [&](int a) { return p[5 + a] >= 0 ? base + p[5 + a] : nullptr; };
+  return {at(0), at(1), reinterpret_cast<const uint16_t*>(at(2)), reinterpret_cast<const int8_t*>(at(3)),
+          reinterpret_cast<const uint16_t*>(at(4)), reinterpret_cast<const int8_t*>(at(5)), panels, group, block,
+          int(bits), int(zero)};
 }
 
 }  // namespace
@@ -80,18 +115,8 @@ QuantMatrix quant_matrix(const at::Tensor& blob) {
               "quantized weight: bad header");
   const uint8_t* base = blob.data_ptr<uint8_t>();
   for (int64_t i = 0; i < h[3]; ++i) {
-    const int64_t* p = h + kHead + i * kPartWords;
-    const int64_t panels = p[0], group = p[1], bits = p[2];
-    TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && (bits == 4 || bits == 8) && p[3] >= 0 && p[3] < 16,
-                "quantized weight: part ", i, " has a bad format");
-    const int64_t codes = panels * m.k * kPanel * bits / 8, scales = panels * (m.k / group) * kPanel * 4;
-    auto fits = [&](int64_t at, int64_t bytes) { return at >= 0 && at % 4 == 0 && at + bytes <= size; };
-    TORCH_CHECK(fits(p[4], codes) && fits(p[5], scales) && (p[6] == -1 || fits(p[6], scales)),
-                "quantized weight: part ", i, " lies outside the tensor");
-    m.parts.push_back({base + p[4], reinterpret_cast<const float*>(base + p[5]),
-                       p[6] == -1 ? nullptr : reinterpret_cast<const float*>(base + p[6]), panels, group, int(bits),
-                       int(p[3])});
-    m.panels += panels;
+    m.parts.push_back(read_part(base, size, m.k, h + kHead + i * kPartWords, i));
+    m.panels += m.parts.back().panels;
   }
   TORCH_CHECK(m.panels == (m.n + kPanel - 1) / kPanel, "quantized weight: ", m.panels, " panels for ", m.n, " rows");
   return m;
@@ -106,12 +131,7 @@ std::pair<const QuantPart*, int64_t> QuantMatrix::locate(int64_t panel) const {
 }
 
 void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  if (q.bits == 4) {
-    if (q.offset) return dequant_groups<4, true>(q, panel, kp, dst);
-    return dequant_groups<4, false>(q, panel, kp, dst);
-  }
-  if (q.offset) return dequant_groups<8, true>(q, panel, kp, dst);
-  return dequant_groups<8, false>(q, panel, kp, dst);
+  by_format(q, [&](auto f) { dequant_groups<decltype(f)::kBits, decltype(f)::kOffset>(q, panel, kp, dst); });
 }
 
 void dequant_panel_reference(const QuantMatrix& m, int64_t panel, uint16_t* dst) {

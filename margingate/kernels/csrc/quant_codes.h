@@ -1,28 +1,78 @@
 // A quantized matrix's layout (quant.cpp), shared by every unit that reads or writes one: the header's
-// magic and, per pair row of a panel, its 32 codes as bytes. Internal linkage, like contract.h: each
-// ISA unit includes it under its own target.
+// magic, a group's scales, and per pair row of a panel its 32 codes as bytes. Internal linkage, like
+// contract.h: each ISA unit includes it under its own target (AVX2 and F16C at least).
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "isa.h"
+
 namespace mg {
 namespace {
 
-constexpr int64_t kQuantMagic = 0x3151474D;  // "MGQ1", the first header word (kernels/quant_pack.py)
+constexpr int64_t kQuantMagic = 0x3251474D;  // "MGQ2", the first header word (kernels/quant_pack.py)
+
+template <int Bits, bool Offset>
+struct QuantFormat {
+  static constexpr int kBits = Bits;
+  static constexpr bool kOffset = Offset;
+};
+
+// f(QuantFormat<bits, has offset>{}) for the part's format: one instantiation per code layout.
+template <class F>
+inline void by_format(const QuantPart& q, F f) {
+  const bool off = q.d_off != nullptr;
+  switch (q.bits) {
+    case 4: return off ? f(QuantFormat<4, true>{}) : f(QuantFormat<4, false>{});
+    case 5: return off ? f(QuantFormat<5, true>{}) : f(QuantFormat<5, false>{});
+    case 6: return off ? f(QuantFormat<6, true>{}) : f(QuantFormat<6, false>{});
+    default: return off ? f(QuantFormat<8, true>{}) : f(QuantFormat<8, false>{});
+  }
+}
+
+// 16 lanes of d * s in fp32 (s null: d). VCVTPH2PS is exact for every fp16, subnormals included.
+inline void times(const uint16_t* d, const int8_t* s, float out[16]) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * h)));
+    if (s) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8 * h));
+      v = _mm256_mul_ps(v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    }
+    _mm256_storeu_ps(out + 8 * h, v);
+  }
+}
+
+// The scales (and offsets) of group g of a panel's 16 columns.
+inline void group_scales(const QuantPart& q, int64_t panel, int64_t kp, int64_t g, float scale[16], float offset[16]) {
+  const int64_t at_d = (panel * (kp / q.block) + g * q.group / q.block) * 16, at_s = (panel * (kp / q.group) + g) * 16;
+  times(q.d + at_d, q.s ? q.s + at_s : nullptr, scale);
+  if (q.d_off) times(q.d_off + at_d, q.s_off ? q.s_off + at_s : nullptr, offset);
+}
+
+// Pair rows per byte of the high bits.
+constexpr int64_t high_run(int bits) { return bits > 4 ? 8 / (bits - 4) : 1; }
 
 // One pair row's 32 codes as bytes in the packed order: columns 0-7 (even, odd each), then 8-15.
-// 4-bit codes are one byte per pair (even in the low nibble); 8-bit ones are signed bytes already so.
+// 4-bit codes are one byte per pair (even in the low nibble), with the bits above 4 at `shift` in the
+// 32 bytes at `hi` for 5 and 6 bits; 8-bit ones are signed bytes already so.
 template <int Bits>
-inline void code_bytes(const uint8_t* c, __m128i b[2]) {
-  if constexpr (Bits == 4) {
+inline void code_bytes(const uint8_t* c, const uint8_t* hi, int shift, __m128i b[2]) {
+  if constexpr (Bits == 8) {
+    b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+  } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(15);
     const __m128i ev = _mm_and_si128(v, m), od = _mm_and_si128(_mm_srli_epi16(v, 4), m);
     b[0] = _mm_unpacklo_epi8(ev, od), b[1] = _mm_unpackhi_epi8(ev, od);
-  } else {
-    b[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    b[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+    if constexpr (Bits > 4) {
+      const __m128i mask = _mm_set1_epi8((1 << (Bits - 4)) - 1), count = _mm_cvtsi32_si128(shift);
+      for (int i = 0; i < 2; ++i) {
+        const __m128i h = _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + 16 * i)), count);
+        b[i] = _mm_or_si128(b[i], _mm_slli_epi16(_mm_and_si128(h, mask), 4));
+      }
+    }
   }
 }
 
