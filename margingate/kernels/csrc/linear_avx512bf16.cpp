@@ -35,12 +35,16 @@ inline __m512 dp_word(__m512 acc, const uint16_t* x, __m512bh w) {
   return acc;
 }
 
+// Two consecutive panel rows (pair rows 2s, 2s + 1: 32 bf16 each) as the (even, odd) vectors of step s.
+inline void regroup(__m512i r0, __m512i r1, __m512i& we, __m512i& wo) {
+  we = _mm512_mask_blend_epi16(kHi, r1, _mm512_slli_epi32(r0, 16));
+  wo = _mm512_mask_blend_epi16(kHi, _mm512_srli_epi32(r1, 16), r0);
+}
+
 // Panel rows 2s, 2s + 1 of block b as the (even, odd) vectors of step s.
 inline void regroup_step(const uint16_t* panel, int64_t b, int64_t s, __m512i& we, __m512i& wo) {
   const uint16_t* row = panel + (b * 16 + 2 * s) * 2 * kPanel;
-  const __m512i r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + 2 * kPanel);
-  we = _mm512_mask_blend_epi16(kHi, r1, _mm512_slli_epi32(r0, 16));
-  wo = _mm512_mask_blend_epi16(kHi, _mm512_srli_epi32(r1, 16), r0);
+  regroup(_mm512_loadu_si512(row), _mm512_loadu_si512(row + 2 * kPanel), we, wo);
 }
 
 // Blocks [b0, b1) of one panel, regrouped: step (b - b0) * 8 + s at dst + that * kWords.
@@ -54,26 +58,43 @@ void regroup_slice(const uint16_t* panel, int64_t b0, int64_t b1, uint16_t* dst)
     }
 }
 
-// R rows (one x tile: per block, R rows of 32 words) x P panels over blocks [b0, b1). w[j]: panel
-// j at pair 0 (Scratch false) or its regrouped slice (Scratch true). A row's block holds 8 words of
-// the even chain (lo = x[4j + 2], hi = x[4j]) then 8 of the odd one (lo = x[4j + 3], hi = x[4j + 1]).
-template <int R, int P, bool Scratch>
-void dp_tile(const uint16_t* xt, const uint16_t* const* w, float* acc, int64_t ldacc, int64_t b0, int64_t b1) {
+// Where dp_tile's weights come from: each hands step s of block b of its panel j as the (even, odd)
+// vectors, after begin(b). Packed: panel j at pair 0, regrouped in registers. Regrouped: panel j's
+// slice of blocks from b0, regrouped once into an L1 scratch (regroup_slice).
+template <int P>
+struct Packed {
+  const uint16_t* w[P];
+  void begin(int64_t) {}
+  void step(int j, int64_t b, int64_t s, __m512i& we, __m512i& wo) const { regroup_step(w[j], b, s, we, wo); }
+};
+
+template <int P>
+struct Regrouped {
+  const uint16_t* w[P];
+  int64_t b0;
+  void begin(int64_t) {}
+  void step(int j, int64_t b, int64_t s, __m512i& we, __m512i& wo) const {
+    const uint16_t* g = w[j] + ((b - b0) * 8 + s) * kWords;
+    we = _mm512_loadu_si512(g), wo = _mm512_loadu_si512(g + 2 * kPanel);
+  }
+};
+
+// R rows (one x tile: per block, R rows of 32 words) x P panels over blocks [b0, b1), the weights from
+// `w` (above). A row's block holds 8 words of the even chain (lo = x[4j + 2], hi = x[4j]) then 8 of
+// the odd one (lo = x[4j + 3], hi = x[4j + 1]).
+template <int R, int P, class W>
+void dp_tile(const uint16_t* xt, W& w, float* acc, int64_t ldacc, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     __m512 e[R][P], o[R][P];
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < P; ++j) e[i][j] = o[i][j] = _mm512_setzero_ps();
+    w.begin(b);
 #pragma GCC unroll 8
     for (int64_t s = 0; s < 8; ++s) {  // steps 2s and 2s + 1 of both chains
       __m512bh we[P], wo[P];
       for (int j = 0; j < P; ++j) {
         __m512i ve, vo;
-        if constexpr (Scratch) {
-          const uint16_t* g = w[j] + ((b - b0) * 8 + s) * kWords;
-          ve = _mm512_loadu_si512(g), vo = _mm512_loadu_si512(g + 2 * kPanel);
-        } else {
-          regroup_step(w[j], b, s, ve, vo);
-        }
+        w.step(j, b, s, ve, vo);
         we[j] = (__m512bh)ve, wo[j] = (__m512bh)vo;
       }
       for (int i = 0; i < R; ++i) {
@@ -93,12 +114,11 @@ void dp_tile(const uint16_t* xt, const uint16_t* const* w, float* acc, int64_t l
 }
 
 // The rows [i, i + left) of the task as one tile of exactly `left` (<= R) rows.
-template <int R, int P, bool Scratch>
-void dp_last_tile(const LinearTask& t, const uint16_t* const* w, int64_t i, int64_t c, int64_t left, int64_t b0,
-                  int64_t b1) {
+template <int R, int P, class W>
+void dp_last_tile(const LinearTask& t, W& w, int64_t i, int64_t c, int64_t left, int64_t b0, int64_t b1) {
   if constexpr (R >= 1) {
-    if (left == R) dp_tile<R, P, Scratch>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
-    else dp_last_tile<R - 1, P, Scratch>(t, w, i, c, left, b0, b1);
+    if (left == R) dp_tile<R, P>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
+    else dp_last_tile<R - 1, P>(t, w, i, c, left, b0, b1);
   }
 }
 
@@ -107,18 +127,19 @@ void dp_last_tile(const LinearTask& t, const uint16_t* const* w, int64_t i, int6
 template <int P>
 void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* scratch) {
   const int64_t c = (p - t.p0) * kPanel;
-  const uint16_t* w[P];
   if (t.m <= MR) {
-    for (int j = 0; j < P; ++j) w[j] = t.w + (p + j) * t.kp * kPanel;
-    return dp_last_tile<MR, P, false>(t, w, 0, c, t.m, b0, b1);
+    Packed<P> w;
+    for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
+    return dp_last_tile<MR, P>(t, w, 0, c, t.m, b0, b1);
   }
+  Regrouped<P> w{{}, b0};
   for (int j = 0; j < P; ++j) {
     regroup_slice(t.w + (p + j) * t.kp * kPanel, b0, b1, scratch + j * kPanelSlice);
-    w[j] = scratch + j * kPanelSlice;
+    w.w[j] = scratch + j * kPanelSlice;
   }
   int64_t i = 0;
-  for (; i + MR <= t.m; i += MR) dp_tile<MR, P, true>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
-  if (i < t.m) dp_last_tile<MR - 1, P, true>(t, w, i, c, t.m - i, b0, b1);
+  for (; i + MR <= t.m; i += MR) dp_tile<MR, P>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
+  if (i < t.m) dp_last_tile<MR - 1, P>(t, w, i, c, t.m - i, b0, b1);
 }
 
 // 16 columns' scales (or offsets) for the 16 lanes of half a pair row: columns [c, c + 8), each twice.
@@ -127,37 +148,78 @@ inline __m512 dup8(const float* v, int64_t c) {
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(v + c)));
 }
 
-// quant.cpp's dequant_panel_avx2 on 16 lanes, a group at a time (the format's branches hoisted),
-// rounded by VCVTNE2PS2BF16: nearest even, the same bits as c10's rounding for every value a
-// quantized weight holds (finite, never an fp32 denormal: an fp16 scale times small integers).
+// One panel of a quantized part, a block (32 k, 16 pair rows) at a time: quant.cpp's
+// dequant_panel_avx2 on 16 lanes, rounded by VCVTNE2PS2BF16 (nearest even: the same bits as c10's
+// rounding for every value a quantized weight holds, finite and never an fp32 denormal).
 template <int Bits, bool Offset>
-void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
-  const int64_t groups = kp / q.group, rows = q.group / 2;
-  const uint8_t* c = q.codes + panel * (kp / 2) * kRowBytes;
-  const uint8_t* hi = Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr;
-  const __m512i zero = _mm512_set1_epi32(q.zero);
-  for (int64_t g = 0; g < groups; ++g) {
-    alignas(64) float scale[16], offset[16];
-    group_scales(q, panel, kp, g, scale, offset);
-    const __m512 s0 = dup8(scale, 0), s1 = dup8(scale, 8);
-    const __m512 o0 = Offset ? dup8(offset, 0) : s0, o1 = Offset ? dup8(offset, 8) : s1;
-    for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
-      __m128i b[2];
-      code_bytes<Bits>(c, hi, int((Bits - 4) * (r % kRun)), b);
-      if (Bits > 4 && r % kRun == kRun - 1) hi += 32;
-      __m512 f0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[0]), zero)));
-      __m512 f1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[1]), zero)));
-      if constexpr (Offset) f0 = _mm512_add_ps(f0, o0), f1 = _mm512_add_ps(f1, o1);
-      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+class QuantPanel {
+ public:
+  QuantPanel(const QuantPart& q, int64_t panel, int64_t kp)
+      : q_(q), panel_(panel), kp_(kp), zero_(_mm512_set1_epi32(q.zero)),
+        c_(q.codes + panel * (kp / 2) * kRowBytes), hi_(Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr) {}
+
+  // The scales of block b: one group of 32, or two of 16 (the second for pair rows 8-15).
+  void block(int64_t b) {
+    b_ = b;
+    for (int h = 0; h < 2; ++h) {
+      alignas(64) float scale[16], offset[16];
+      group_scales(q_, panel_, kp_, b * kBlock / q_.group + (q_.group == 16 ? h : 0), scale, offset);
+      s_[h][0] = dup8(scale, 0), s_[h][1] = dup8(scale, 8);
+      if constexpr (Offset) o_[h][0] = dup8(offset, 0), o_[h][1] = dup8(offset, 8);
     }
   }
-}
+
+  // Pair row r (0-15) of the block as 32 bf16, in the packed layout (column l: even, odd).
+  __m512i row(int64_t r) const {
+    const int64_t at = b_ * 16 + r, h = r >= 8 ? 1 : 0;
+    __m128i b[2];
+    code_bytes<Bits>(c_ + at * kRowBytes, Bits > 4 ? hi_ + at / kRun * 32 : nullptr, int((Bits - 4) * (r % kRun)), b);
+    __m512 f[2];
+    for (int i = 0; i < 2; ++i) {
+      f[i] = _mm512_mul_ps(s_[h][i], _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[i]), zero_)));
+      if constexpr (Offset) f[i] = _mm512_add_ps(f[i], o_[h][i]);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  }
+
+ private:
+  static constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
+  const QuantPart& q_;
+  const int64_t panel_, kp_;
+  const __m512i zero_;
+  const uint8_t* c_;
+  const uint8_t* hi_;
+  int64_t b_ = 0;
+  __m512 s_[2][2], o_[2][2];
+};
+
+// dp_tile's weights from one quantized panel, dequantized in registers: no scratch, no second pass.
+template <int Bits, bool Offset>
+struct Dequantized {
+  QuantPanel<Bits, Offset> panel;
+  void begin(int64_t b) { panel.block(b); }
+  void step(int, int64_t, int64_t s, __m512i& we, __m512i& wo) const {
+    regroup(panel.row(2 * s), panel.row(2 * s + 1), we, wo);
+  }
+};
 
 }  // namespace
 
 void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
-  by_format(q, [&](auto f) { dequant_groups<decltype(f)::kBits, decltype(f)::kOffset>(q, panel, kp, dst); });
+  by_format(q, [&](auto f) {
+    QuantPanel<decltype(f)::kBits, decltype(f)::kOffset> w(q, panel, kp);
+    for (int64_t b = 0; b < kp / kBlock; ++b) {
+      w.block(b);
+      for (int64_t r = 0; r < 16; ++r, dst += 2 * kPanel) _mm512_storeu_si512(dst, w.row(r));
+    }
+  });
+}
+
+void linear_avx512bf16_quant(const LinearTask& t, const QuantPart& q, int64_t panel) {
+  by_format(q, [&](auto f) {
+    Dequantized<decltype(f)::kBits, decltype(f)::kOffset> w{{q, panel, t.kp}};
+    dp_last_tile<MR, 1>(t, w, 0, 0, t.m, 0, t.kp / kBlock);
+  });
 }
 
 void linear_avx512bf16(const LinearTask& t) {

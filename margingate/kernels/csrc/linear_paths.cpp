@@ -131,6 +131,23 @@ void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst) {
   dequant_panel_avx2(*q, at, m.k, dst);
 }
 
+// Few rows of a quantized weight on AVX512-BF16: dequantized in registers, panel by panel, no scratch.
+// False where the path has no such kernel: the caller dequantizes into a scratch.
+bool run_quant_in_registers(Path p, const LinearTask& t, const QuantMatrix& m) {
+#if MG_BUILT_AVX512BF16
+  if (p != Path::kAvx512Bf16 || t.m > kBf16Rows) return false;
+  for (int64_t panel = t.p0; panel < t.p1; ++panel) {
+    const auto [q, at] = m.locate(panel);
+    LinearTask s = t;
+    s.p0 = 0, s.p1 = 1, s.acc = t.acc + (panel - t.p0) * kPanel;
+    linear_avx512bf16_quant(s, *q, at);
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::vector<std::string> linear_paths() {
   std::vector<std::string> out;
   for (Path p : kFastestFirst)
