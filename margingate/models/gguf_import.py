@@ -1,9 +1,10 @@
-"""A GGUF model (one file or the parts of a split one) -> a Hugging Face style folder in BF16.
+"""A GGUF model (one file or the parts of a split one) -> a Hugging Face style folder.
 
-Dequantized once (any type `gguf.quants.dequantize` knows), written as safetensors shards
-with config.json and the tokenizer (with its chat template) from the GGUF metadata, so every
-later load is the plain folder path. llama.cpp's conventions are undone here: Llama-arch
-files store Q/K rows interleaved for its RoPE, Gemma files store norm weights as 1 + w.
+config.json and the tokenizer (with its chat template) from the GGUF metadata; where a load needs
+them, the tensors dequantized once to BF16 (any type `gguf.quants.dequantize` knows) as safetensors
+shards, so that load is the plain folder path. `load_quantized` reads the GGUF's tensors directly.
+llama.cpp's conventions are undone here: Llama-arch files store Q/K rows interleaved for its RoPE,
+Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
@@ -98,33 +99,20 @@ def bf16_bytes(paths: list[Path]) -> int:
     return sum(2 * int(t.n_elements) for r in readers(paths) for t in r.tensors)
 
 
-def convert(paths: list[Path], folder: Path) -> None:
-    """Write the HF-style folder for the GGUF file `paths` (a split file's parts, in order)."""
-    import gguf
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
+def convert(paths: list[Path], folder: Path, tensors: bool = True) -> None:
+    """Write the HF-style folder for the GGUF file `paths` (a split file's parts, in order): config.json
+    and the tokenizer, and with `tensors` the weights dequantized to bf16 safetensors. A model whose
+    GGUF is read directly (`load_quantized`) needs only the first two: seconds, not a bf16 copy."""
     parts = readers(paths)
     meta = metadata(parts[0])
     arch = architecture(meta, paths[0])
-    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     for old in tmp.glob("*.safetensors"):  # an interrupted earlier conversion
         old.unlink()
-    tensors = [t for r in parts for t in r.tensors]
-    shard, size, names, shards = {}, 0, set(), 0
-    for t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
-        name, w = hf_name(t.name, arch), bf16_tensor(gguf, t, arch, n_heads, n_kv)
-        shard[name] = w
-        names.add(name)
-        size += 2 * w.numel()
-        if size >= SHARD_BYTES:
-            shards += 1
-            save_file(shard, str(tmp / f"model-{shards:05d}.safetensors"))
-            shard, size = {}, 0
-    if shard:
-        save_file(shard, str(tmp / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
+    if tensors:
+        _write_tensors(parts, paths[0].name, arch, meta, tmp)
+    names = {hf_name(t.name, arch) for r in parts for t in r.tensors}
     config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
     (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
                                                  "margingate_import_version": IMPORT_VERSION}, indent=2))
@@ -139,6 +127,27 @@ def convert(paths: list[Path], folder: Path) -> None:
         tmp.rmdir()
     else:
         tmp.replace(folder)
+
+
+def _write_tensors(parts, source: str, arch: str, meta: dict, out: Path) -> None:
+    """Every tensor dequantized to bf16, in safetensors shards of about SHARD_BYTES."""
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    tensors = [t for r in parts for t in r.tensors]
+    shard, size, shards = {}, 0, 0
+    for t in tqdm(tensors, desc=f"dequantizing {source} to bf16", unit="tensor"):
+        w = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+        shard[hf_name(t.name, arch)] = w
+        size += 2 * w.numel()
+        if size >= SHARD_BYTES:
+            shards += 1
+            save_file(shard, str(out / f"model-{shards:05d}.safetensors"))
+            shard, size = {}, 0
+    if shard:
+        save_file(shard, str(out / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
 
 
 def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
