@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .gguf_header import check_header
@@ -163,15 +164,20 @@ def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
 
 
 class RawTensor:
-    """A GGUF tensor as gguf's reader presents one (name, tensor_type, shape, data), mapped straight from
-    the file's tensor table: no reader, which decodes every metadata value first (seconds per load)."""
+    """A GGUF tensor as gguf's reader presents one (name, tensor_type, shape, data), found in the file's
+    tensor table: no reader, which decodes every metadata value first (seconds per load). `data` is
+    read from the file each time it is asked for, not mapped: a mapping would keep every page of the
+    file resident beside the repacked model until the last tensor is built."""
 
-    def __init__(self, gguf, mapped, entry: tuple):
-        self.name, dims, kind, start, nbytes = entry
-        self.tensor_type, self.shape = gguf.GGMLQuantizationType(kind), dims
+    def __init__(self, gguf, path: Path, entry: tuple):
+        self.name, dims, kind, self.start, self.nbytes = entry
+        self.path, self.tensor_type, self.shape = path, gguf.GGMLQuantizationType(kind), dims
         block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor_type]
-        row = dims[0] // block * block_bytes
-        self.data = mapped[start:start + nbytes].reshape(*reversed(dims[1:]), row)
+        self.rows = (*reversed(dims[1:]), dims[0] // block * block_bytes)
+
+    @property
+    def data(self) -> np.ndarray:
+        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
 
 
 def load_quantized(paths: list[Path], config: dict) -> dict:
@@ -180,7 +186,6 @@ def load_quantized(paths: list[Path], config: dict) -> dict:
     dequantized to bf16 exactly as `convert` writes it. `config`: the converted folder's config.json
     (architecture and heads)."""
     import gguf
-    import numpy as np
 
     from .gguf_header import tensor_table
     from .gguf_quant import TYPES, GGUFMatrix
@@ -191,9 +196,8 @@ def load_quantized(paths: list[Path], config: dict) -> dict:
     sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
     state = {}
     for path in paths:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
         for entry in tensor_table(path, sizes):
-            t = RawTensor(gguf, mapped, entry)
+            t = RawTensor(gguf, path, entry)
             if t.tensor_type.name in TYPES and len(t.shape) == 2:
                 state[hf_name(t.name, arch)] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
             else:

@@ -124,7 +124,7 @@ class GGUFMatrix:
 
     def __init__(self, tensor, heads: int | None = None):
         self.tensor, self.heads = tensor, heads
-        self.shape = (int(tensor.data.shape[0]), int(tensor.shape[0]))  # GGUF shapes are reversed: [k, n]
+        self.shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF shapes are reversed: [k, n]
 
     def codes(self) -> QuantCodes:
         c = quant_codes(self.tensor.data, self.tensor.tensor_type.name, self.tensor.name)
