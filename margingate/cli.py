@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import generate, score
+from . import export, generate, score
 from .analysis import bench, calibrate, check, demo, flips, linear_bench, score_bench, selftest, spec_bench
 from .data.prompts import PromptFileError
 from .errors import KernelBuildError
 from .server import cli as serve
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
-COMMANDS = (generate, check, demo, serve, bench, flips, calibrate, score, score_bench, spec_bench, linear_bench,
+COMMANDS = (generate, check, demo, serve, export, bench, flips, calibrate, score, score_bench, spec_bench, linear_bench,
             selftest)
 
 

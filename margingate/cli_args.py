@@ -23,6 +23,7 @@ from .options import (
     parse_tau,
 )
 from .options.engine import PREFIX_CACHE_TOKENS
+from .options.weights import QUANTIZE, WEIGHTS
 
 # --- argument types: each names the problem in its message -------------------------------
 
@@ -76,15 +77,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=("auto", "compiled", "triton"),
                    help="the invariant kernels: auto (Triton on CUDA, compiled C++ on CPU), compiled, or triton "
                         "(on CPU: the CUDA path under Triton's interpreter, TRITON_INTERPRET=1; slow, for dry runs)")
-    p.add_argument("--weights", default="auto", choices=("auto", "bf16"),
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="auto: a GGUF's quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay "
                         "quantized, the same tokens and logprobs as bf16 at the file's size; bf16: dequantize all")
+    add_quantize_arg(p, "at load, as `margingate export --quantize` writes them: the same tokens and logprobs")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: all cores; the tokens do not depend on it)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
                    help="positions per request (prompt + output)")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
+
+
+def add_quantize_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--quantize", default=None, choices=QUANTIZE,
+                   help=f"quantize a bf16 source (a Hugging Face folder) to GGUF blocks {what}: q4_k (Q4_K; Q8_0 "
+                        "for a matrix whose rows are not a multiple of 256 weights) or q8_0")
 
 
 def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -236,7 +244,7 @@ def prompts(args) -> list[Prompt]:
 def llm(args, max_batch_size: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
-    return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights,
+    return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights, quantize=args.quantize,
                max_batch_size=max_batch_size,
                draft_model=getattr(args, "draft_model", None),
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,

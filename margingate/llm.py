@@ -17,8 +17,10 @@ from .kernels import invariant
 from .models import build_model
 from .models.loader import gguf_parts, load_config, load_state_dict, resolve_model_dir
 from .models.named import DEFAULT_MODEL
+from .models.quantize import check_source, quantize_state
 from .models.tokenizer import Tokenizer
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
+from .options.weights import check_weights
 from .policies import Policy, build
 from .profiles import load_profile
 from .scoring import Score, score_pairs
@@ -57,15 +59,17 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
-                 kernels: str = "auto", weights: str = "auto"):
+                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
+        check_weights(weights, quantize)
+        check_source(model, quantize)
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
         self.folder = resolve_model_dir(model)
         self.model_name = model
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
-        self.model = build_model(self.config, self._state(model, weights), device, kernels)
+        self.model = build_model(self.config, self._state(model, weights, quantize), device, kernels)
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
@@ -76,13 +80,14 @@ class LLM:
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
 
-    @staticmethod
-    def _state(model: str, weights: str):
+    def _state(self, model: str, weights: str, quantize: str | None):
         """The model's tensors. weights "auto": a GGUF's quantized matrices stay quantized (the same
-        tokens and logprobs as "bf16", at the file's size); "bf16": every weight dequantized to bf16."""
-        if weights not in ("auto", "bf16"):
-            raise ValueError(f"weights must be 'auto' or 'bf16', got {weights!r}")
-        return load_state_dict(resolve_model_dir(model), gguf=gguf_parts(model) if weights == "auto" else None)
+        tokens and logprobs as "bf16", at the file's size); "bf16": every weight dequantized to bf16.
+        quantize "q8_0" or "q4_k": a bf16 source's matrices quantized at load (models/quantize.py), the
+        tokens and logprobs of its `margingate export --quantize` GGUF."""
+        if quantize is not None:
+            return quantize_state(load_state_dict(self.folder), self.config, quantize, keep=weights == "auto")
+        return load_state_dict(self.folder, gguf=gguf_parts(model) if weights == "auto" else None)
 
     def _load_draft(self, name: str, slots: int) -> DraftModel:
         """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""

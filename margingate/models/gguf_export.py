@@ -1,4 +1,5 @@
-"""A BF16 GGUF of a model folder's weights: the weights our engine decodes, in the file format llama.cpp reads.
+"""A GGUF of a model folder's weights, BF16 or quantized: the weights our engine decodes, in the file format
+llama.cpp reads.
 
 The embedded models ship as a quantized GGUF (Q4_1, Q8_0 embeddings) that the loader dequantizes
 once to a BF16 safetensors cache. Handing llama.cpp that quantized file would compare different
@@ -13,14 +14,17 @@ weights; this writes the folder back into a GGUF instead:
   computes: plain RoPE at rope_theta (a config's rope_scaling is not written) and no sliding window;
 * tensors: GGUF names and the q/k row order llama.cpp expects for Llama (biases too), the exact
   inverse of the loader's map (`gguf_import.hf_name`, `gguf_import.unpermute`). 2-D tensors are BF16,
-  bit for bit. The 1-D norm weights and biases are F32, as llama.cpp's own converter writes them
+  bit for bit, or with `quantize` ("q8_0", "q4_k") the very blocks `LLM(folder, quantize=...)` runs
+  (models/quantize.py: the same types, fallbacks and bytes; quantized after the Q/K permutation, which
+  moves whole rows). The 1-D norm weights and biases are F32, as llama.cpp's own converter writes them
   (ggml multiplies F32 activations by them and has no F32 x BF16 elementwise kernel); BF16 -> F32 is
   exact, so they hold the same numbers. Tensors are read and written one at a time: an 8B model's
   export needs about one tensor of memory, not the model's.
 
-The file is written once, next to the model folder, keyed by the model fingerprint (and, for a
-folder not converted from an embedded GGUF, by its safetensors files' sizes and times, as
-its weights can change under the same shape).
+The BF16 file the benchmarks hand llama.cpp is written once, next to the model folder, keyed by the
+model fingerprint (and, for a folder not converted from an embedded GGUF, by its safetensors files'
+sizes and times, as its weights can change under the same shape). `margingate export` writes any of
+them where it is asked to.
 """
 from __future__ import annotations
 
@@ -37,9 +41,12 @@ import torch
 from .gguf_import import ARCHS, GGUF_LAYER_NAMES, GGUF_MODEL_NAMES, hf_name
 from .gguf_tokenizer import add_tokenizer
 from .loader import EMBEDDED, embedded_gguf_path, load_config
+from .quantize import block_type, quantize_rows
 from .weights import WeightsError
 
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16 ("except 1d tensors")
+# general.file_type by --quantize: MOSTLY_Q8_0; MOSTLY_Q4_K_S, llama.cpp's name for Q4_K wherever it fits
+FILE_TYPES = {None: FILE_TYPE_BF16, "q8_0": 7, "q4_k": 14}
 # HF architecture -> the llama.cpp architecture that runs it (convert_hf_to_gguf.py writes Mistral as llama).
 LLAMA_CPP_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _HF_MODEL = {v: k for k, v in GGUF_MODEL_NAMES.items()}
@@ -78,12 +85,18 @@ def bf16_gguf(folder: Path) -> Path:
     """The BF16 GGUF of `folder`'s weights, written on first use and cached beside the folder."""
     path = bf16_gguf_path(folder)
     if not path.exists():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            write_bf16_gguf(folder, tmp)
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomically(path, lambda tmp: write_bf16_gguf(folder, tmp))
+    return path
+
+
+def write_atomically(path: Path, write) -> Path:
+    """`write(tmp)` to a file beside `path`, then renamed to it: a reader never sees half a file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -136,25 +149,33 @@ def _ignored(name: str, tied: bool) -> bool:
 
 
 def write_bf16_gguf(folder: Path, out: Path, source: Path | None = None) -> Path:
-    """Write `folder`'s weights as a BF16 GGUF at `out`, with the metadata of `source` (default: the
-    embedded GGUF the folder was converted from; none: written from the folder's own files)."""
+    """Write `folder`'s weights as a BF16 GGUF at `out` (`write_gguf`)."""
+    return write_gguf(folder, out, source=source)
+
+
+def write_gguf(folder: Path, out: Path, quantize: str | None = None, source: Path | None = None) -> Path:
+    """Write `folder`'s weights as a GGUF at `out`: its matrices BF16, or quantized as `quantize` ("q8_0",
+    "q4_k") quantizes them at load; with the metadata of `source` (default: the embedded GGUF the folder
+    was converted from; none: written from the folder's own files)."""
     import gguf
 
+    if quantize not in FILE_TYPES:
+        raise ValueError(f"quantize must be one of {', '.join(q for q in FILE_TYPES if q)} or None; got {quantize!r}")
     folder = Path(folder)
     source = source or source_gguf(folder)
     with _Tensors(folder) as tensors:
         if source is not None:
-            writer, arch, names, heads = _copied_metadata(gguf, source, out)
+            writer, arch, names, heads = _copied_metadata(gguf, source, out, FILE_TYPES[quantize])
         else:
-            writer, arch, names, heads = _written_metadata(gguf, folder, out, tensors)
+            writer, arch, names, heads = _written_metadata(gguf, folder, out, tensors, FILE_TYPES[quantize])
         try:
-            _write_tensors(gguf, writer, folder, (arch, heads), names, tensors)
+            _write_tensors(gguf, writer, folder, (arch, heads), names, tensors, quantize)
         finally:
             writer.close()
     return Path(out)
 
 
-def _copied_metadata(gguf, source: Path, out: Path):
+def _copied_metadata(gguf, source: Path, out: Path, file_type: int):
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(out), arch)
@@ -162,7 +183,7 @@ def _copied_metadata(gguf, source: Path, out: Path):
         if key.startswith("GGUF.") or key == "general.architecture":  # written by the writer itself
             continue
         if key == "general.file_type":
-            writer.add_uint32(key, FILE_TYPE_BF16)
+            writer.add_uint32(key, file_type)
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
@@ -170,7 +191,7 @@ def _copied_metadata(gguf, source: Path, out: Path):
     return writer, arch, [t.name for t in reader.tensors], heads  # the source's names and order; our values
 
 
-def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors):
+def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_type: int):
     """The metadata convert_hf_to_gguf.py writes for a Llama or Qwen2 folder, from our reading of it."""
     cfg = load_config(folder)
     arch = LLAMA_CPP_ARCHS.get(cfg.architecture)
@@ -193,7 +214,7 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors):
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(FILE_TYPE_BF16)
+    writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(writer, folder, cfg.vocab_size)
     names = []
@@ -215,7 +236,8 @@ def _order(name: str) -> tuple:
     return 1, int(parts[1]), list(GGUF_LAYER_NAMES).index(parts[2]), parts[-1] == "bias"
 
 
-def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[str], tensors: _Tensors) -> None:
+def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[str], tensors: _Tensors,
+                   quantize: str | None) -> None:
     """Tensor infos first (the header needs every shape), then each tensor read, converted and written."""
     from tqdm import tqdm
 
@@ -227,29 +249,48 @@ def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[st
         if hf not in tensors.files:
             raise ValueError(f"{folder} has no {hf} (GGUF {name})")
         dims = tensors.shape(hf)
-        n = int(np.prod(dims))
-        if len(dims) == 1:
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * n)
-        else:
-            writer.add_tensor_info(name, dims, np.dtype(np.uint16), 2 * n, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        plan.append((name, hf, n))
+        kind, shape, dtype, nbytes = _layout(gguf, dims, quantize)
+        writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes,
+                               raw_dtype=None if kind == gguf.GGMLQuantizationType.F32 else kind)
+        plan.append((name, hf, kind, int(np.prod(dims))))
     tied = "output.weight" not in names
-    unused = sorted(set(tensors.names) - {hf for _, hf, _ in plan} - {k for k in tensors.names if _ignored(k, tied)})
+    unused = sorted(set(tensors.names) - {p[1] for p in plan} - {k for k in tensors.names if _ignored(k, tied)})
     if unused:
         raise ValueError(f"{folder} holds tensors the GGUF has no place for: {unused[:4]}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    with tqdm(total=sum(n for *_, n in plan), unit="weight", unit_scale=True, desc="writing the BF16 GGUF",
-              disable=len(plan) < 64, leave=False) as bar:
-        for name, hf, n in plan:
+    with tqdm(total=sum(p[-1] for p in plan), unit="weight", unit_scale=True, disable=len(plan) < 64, leave=False,
+              desc=f"writing the {(quantize or 'bf16').upper()} GGUF") as bar:
+        for name, hf, kind, n in plan:
             w = tensors.get(hf)
             for part, count in heads.items():
                 if part in name:
                     w = permute(w, count)
-            w = w.contiguous()
-            writer.write_tensor_data(w.float().numpy() if w.dim() == 1 else w.view(torch.int16).numpy().view(np.uint16))
+            writer.write_tensor_data(_encode(gguf, w.contiguous(), kind, hf))
             bar.update(n)
+
+
+def _layout(gguf, dims: tuple[int, ...], quantize: str | None) -> tuple:
+    """How a tensor of (Hugging Face) shape `dims` is written: its GGML type, and the shape, dtype and
+    size of what is handed to the writer. 1-D: F32; 2-D: BF16, or quantize's block type for its rows."""
+    n, types = int(np.prod(dims)), gguf.GGMLQuantizationType
+    if len(dims) == 1:
+        return types.F32, dims, np.float32, 4 * n
+    kind = block_type(dims[1], quantize) if quantize else None
+    if kind is None:
+        return types.BF16, dims, np.uint16, 2 * n
+    block, size = gguf.GGML_QUANT_SIZES[types[kind]]
+    return types[kind], (dims[0], dims[1] // block * size), np.uint8, n // block * size
+
+
+def _encode(gguf, w: torch.Tensor, kind, name: str) -> np.ndarray:
+    """A tensor's bytes as `_layout` planned them (`name`: the Hugging Face name, for errors)."""
+    if kind == gguf.GGMLQuantizationType.F32:
+        return w.float().numpy()
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return w.view(torch.int16).numpy().view(np.uint16)
+    return quantize_rows(w, kind.name, name)
 
 
 def read_tensor(t) -> torch.Tensor:

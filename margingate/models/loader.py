@@ -159,11 +159,12 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 class Checkpoint(dict):
-    """Tensors by their Hugging Face names, and the folder they came from (named in loading errors)."""
+    """Tensors by their Hugging Face names, and the folder they came from (named in loading errors).
+    keep_quantized=False: the model dequantizes its quantized matrices (`weights.build`)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: str):
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str, keep_quantized: bool = True):
         super().__init__(tensors)
-        self.source = source
+        self.source, self.keep_quantized = source, keep_quantized
 
 
 def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: list[Path] | None = None) -> Checkpoint:

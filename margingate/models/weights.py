@@ -8,12 +8,13 @@ would not read, or one of the wrong shape is refused with its name and the folde
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..kernels.packing import PackedWeight, pack
-from ..kernels.quant_pack import QuantWeight, panelable, quant_weight
+from ..kernels.quant_pack import QuantCodes, QuantWeight, panelable, quant_weight
 from .architectures import ARCHITECTURES, EXTRA_LAYER_MAP, IGNORED_SUFFIXES, LAYER_MAP, MODEL_MAP
 from .config import ModelConfig
 from .gguf_quant import GGUFMatrix
@@ -21,6 +22,23 @@ from .gguf_quant import GGUFMatrix
 
 class WeightsError(ValueError):
     """A checkpoint's tensors do not match what its config.json says the model is."""
+
+
+class QuantMatrix(ABC):
+    """A matrix held as GGUF blocks, decoded when the model is built: a GGUF file's
+    (gguf_quant.GGUFMatrix) or a bf16 one quantized at load (quantize.QuantizedMatrix). `build` keeps
+    it quantized where it can, else uses its dequantized bf16 values."""
+    shape: tuple[int, int]
+
+    @abstractmethod
+    def codes(self) -> QuantCodes:
+        """Its blocks decoded (gguf_quant.quant_codes), in Hugging Face row order."""
+
+    def bf16(self) -> torch.Tensor:
+        return self.codes().bf16()
+
+
+QuantMatrix.register(GGUFMatrix)
 
 
 # packed (or kept quantized) for our kernels, plain for the library's
@@ -74,6 +92,16 @@ def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 # --- the map ---------------------------------------------------------------------------------
+
+
+def _is_matrix(key: str) -> bool:
+    """Whether our tensor `key` is a matrix: a linear's weight, the head or the embedding."""
+    return key.rsplit(".", 1)[-1] in MATRICES or key in ("embed", "lm_head")
+
+
+def matrix_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face names of the model's matrices (what can be kept quantized)."""
+    return [n for key, parts in weight_names(config).items() if _is_matrix(key) for n in parts]
 
 
 def weight_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -156,16 +184,16 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     `ModelWeights.to`)."""
     pack_ = pack if packed else (lambda t: t)
     names = check(config, state, source)
-    keep_quantized = packed and device.type == "cpu"
+    # a Checkpoint may ask for its quantized matrices dequantized (quantize.quantize_state, --weights bf16)
+    keep_quantized = packed and device.type == "cpu" and getattr(state, "keep_quantized", True)
 
     def get(key: str) -> Matrix | None:
         if key not in names:
             return None
         parts = [state[n] for n in names[key]]
-        is_matrix = key.rsplit(".", 1)[-1] in MATRICES or key in ("embed", "lm_head")
-        if any(isinstance(p, GGUFMatrix) for p in parts):  # a GGUF's quantized matrix (gguf_quant)
-            codes = [p.codes() if isinstance(p, GGUFMatrix) else None for p in parts]
-            if keep_quantized and is_matrix and all(codes) and panelable(codes):
+        if any(isinstance(p, QuantMatrix) for p in parts):  # a GGUF's, or one quantized at load
+            codes = [p.codes() if isinstance(p, QuantMatrix) else None for p in parts]
+            if keep_quantized and _is_matrix(key) and all(codes) and panelable(codes):
                 return quant_weight(codes)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
