@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -65,7 +66,8 @@ class LLM:
         check_weights(weights, quantize)
         check_source(model, quantize)
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
-        self.folder = resolve_model_dir(model)
+        # a GGUF read directly (weights "auto") needs only its config and tokenizer converted
+        self.folder = resolve_model_dir(model, tensors=weights == "bf16" or gguf_parts(model) is None)
         self.model_name = model
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
@@ -88,6 +90,11 @@ class LLM:
         if quantize is not None:
             return quantize_state(load_state_dict(self.folder), self.config, quantize, keep=weights == "auto")
         return load_state_dict(self.folder, gguf=gguf_parts(model) if weights == "auto" else None)
+
+    def weights_folder(self) -> Path:
+        """The model's folder with its tensors (bf16 safetensors), converted from its GGUF if they are not
+        there yet: what the peers (transformers, vLLM, a BF16 GGUF for llama.cpp) read."""
+        return resolve_model_dir(self.model_name)
 
     def _load_draft(self, name: str, slots: int) -> DraftModel:
         """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""

@@ -129,3 +129,23 @@ def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logp
         want = bf16.generate(chosen, max_new_tokens=24, policy=bf16.policy(policy), sampling=params)
         assert [c.token_ids for c in got] == [c.token_ids for c in want], policy
         assert [c.logprobs for c in got] == [c.logprobs for c in want], policy
+
+
+def test_a_gguf_read_directly_is_not_converted_to_bf16_until_a_peer_needs_it(tmp_path):
+    """`weights="auto"` on a .gguf path writes only its config and tokenizer (an 8B Q4_K_M would
+    otherwise write 16 GB of bf16 beside it); the peers' folder (`weights_folder`) gets the tensors."""
+    import shutil
+
+    from margingate.llm import LLM
+    from margingate.models.loader import embedded_gguf_path
+
+    source = tmp_path / "copy.gguf"  # a path of its own: a folder of its own in the cache
+    shutil.copy(embedded_gguf_path("smollm2-135m"), source)
+    llm = LLM(str(source), max_batch_size=1)
+    try:
+        assert (llm.folder / "config.json").exists() and (llm.folder / "tokenizer.json").exists()
+        assert not list(llm.folder.glob("*.safetensors"))
+        assert llm.generate(["Hello"], max_new_tokens=4)[0].token_ids
+        assert llm.weights_folder() == llm.folder and list(llm.folder.glob("*.safetensors"))
+    finally:
+        shutil.rmtree(llm.folder)

@@ -314,7 +314,10 @@ def _cmd(args) -> None:
     from ..models.loader import gguf_parts  # loads torch: only when the command runs
 
     parts = gguf_parts(args.model) if kept_quantized(llm.environment()) else None
-    peers = make_peers(peer_names, llm.folder, llm.engine.num_threads, parts[0] if parts and len(parts) == 1 else None)
+    gguf = parts[0] if parts and len(parts) == 1 else None
+    # only llama.cpp on the GGUF itself reads no bf16 tensors
+    folder = llm.folder if gguf and set(peer_names) <= {"llamacpp"} else llm.weights_folder()
+    peers = make_peers(peer_names, folder, llm.engine.num_threads, gguf)
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
                        workload=args.dataset or args.prompts_file or "built-in prompts",

@@ -65,9 +65,9 @@ def _cmd(args) -> None:
     report = {"prompts": len(ids), "prompt_tokens": tokens, "batch_size": args.batch_size,
               "machine": machine_line(llm.environment()), "environment": llm.environment(), "rows": rows}
     if args.vllm:
-        peer = VLLMPeer(llm.folder, llm.engine.num_threads)
+        peer = VLLMPeer(llm.weights_folder(), llm.engine.num_threads)
         theirs = run_worker(peer.python, "vllm_score_worker.py", {
-            "model": str(llm.folder), "prompt_ids": ids, "batch_size": args.batch_size, "repeats": args.repeats,
+            "model": str(peer.folder), "prompt_ids": ids, "batch_size": args.batch_size, "repeats": args.repeats,
             "warmup": args.warmup, "alone": ALONE}, peer.env(), "vllm")
         rows.append(summarise("vLLM CPU (prompt_logprobs)", theirs, tokens))
         report["max_logprob_gap"] = max_gap(ours["logprobs"], theirs["logprobs"])

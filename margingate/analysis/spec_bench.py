@@ -236,7 +236,8 @@ def _cmd(args) -> None:
     report = {"model": args.model, "max_new_tokens": args.max_new_tokens, "machine": machine_line(llm.environment()),
               "environment": llm.environment(), "rows": rows, "summary": summary(rows)}
     if "llamacpp" in args.peers:
-        report["llamacpp"] = llamacpp_rows(llm, llm.folder, COPYING, args.k, args.max_new_tokens, args.repeats)
+        report["llamacpp"] = llamacpp_rows(llm, llm.weights_folder(), COPYING, args.k, args.max_new_tokens,
+                                           args.repeats)
     if args.batched:
         report["batched"] = batched_rows(llm, COPYING, args.batched, SpeculativeConfig("ngram", max(args.k)),
                                          args.max_new_tokens)

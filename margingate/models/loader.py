@@ -3,9 +3,10 @@
 Every model is loaded from a Hugging Face style folder (config.json + safetensors + tokenizer
 files). A GGUF model (`--model FILE.gguf`, a split file's first part, or a named model whose
 GGUF ships in a Python package: the embedded SmolLM2-135M-Instruct, gemma3-270m, dsr1-qwen-7b)
-is dequantized to BF16 once and written to such a folder in the cache (`gguf_import.py`), so
-every later load is a plain safetensors read. A model larger than the memory available is
-refused before it is converted or loaded.
+gets such a folder in the cache (`gguf_import.py`): its config and tokenizer, and its tensors
+dequantized to BF16 once where a load needs them (`--weights bf16`, a draft model, a BF16 export).
+With `--weights auto` the tensors are read from the GGUF itself, its quantized matrices kept so.
+A model larger than the memory available is refused before it is converted or loaded.
 """
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def resolve_model_dir(model: str) -> Path:
-    """Return a HF-style folder for `model`: a named model, a GGUF file or a local folder."""
+def resolve_model_dir(model: str, tensors: bool = True) -> Path:
+    """Return a HF-style folder for `model`: a named model, a GGUF file or a local folder. A GGUF's
+    folder holds its bf16 tensors only when `tensors` asks for them (a model that reads its GGUF
+    directly, `load_state_dict(gguf=...)`, needs just config.json and the tokenizer)."""
     if model in NAMED:
         folder = cache_root() / model
         with _converting(folder):
-            if not _converted(folder):
-                _convert(gguf_files(model, cache_root() / "gguf"), folder)
+            if not _converted(folder, tensors):
+                _convert(gguf_files(model, cache_root() / "gguf"), folder, tensors)
         return folder
     path = Path(model).expanduser()
     if not path.exists():
@@ -59,8 +62,8 @@ def resolve_model_dir(model: str) -> Path:
                              .encode()).hexdigest()[:12]
         folder = cache_root() / "gguf" / f"{path.stem}-{key}"
         with _converting(folder):
-            if not _converted(folder):
-                _convert(parts, folder)
+            if not _converted(folder, tensors):
+                _convert(parts, folder, tensors)
         return folder
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"model folder {path} has no config.json")
@@ -108,17 +111,18 @@ def _converting(folder: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _converted(folder: Path) -> bool:
-    """A finished conversion by this version of the importer."""
-    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")):
+def _converted(folder: Path, tensors: bool) -> bool:
+    """A finished conversion by this version of the importer (with the tensors, if asked)."""
+    if not (folder / "config.json").exists() or (tensors and not any(folder.glob("*.safetensors"))):
         return False
     raw = json.loads((folder / "config.json").read_text())
     return raw.get("margingate_import_version") == gguf_import.IMPORT_VERSION
 
 
-def _convert(parts: list[Path], folder: Path) -> None:
-    check_fits(gguf_import.bf16_bytes(parts), f"{parts[0].name} in bf16")
-    gguf_import.convert(parts, folder)
+def _convert(parts: list[Path], folder: Path, tensors: bool) -> None:
+    if tensors:
+        check_fits(gguf_import.bf16_bytes(parts), f"{parts[0].name} in bf16")
+    gguf_import.convert(parts, folder, tensors)
 
 
 # --- memory -------------------------------------------------------------------
