@@ -133,7 +133,7 @@ def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logp
 
 def test_a_gguf_read_directly_is_not_converted_to_bf16_until_a_peer_needs_it(tmp_path):
     """`weights="auto"` on a .gguf path writes only its config and tokenizer (an 8B Q4_K_M would
-    otherwise write 16 GB of bf16 beside it); the peers' folder (`weights_folder`) gets the tensors."""
+    otherwise write 16 GB of bf16 beside it)."""
     import shutil
 
     from margingate.llm import LLM
@@ -145,7 +145,6 @@ def test_a_gguf_read_directly_is_not_converted_to_bf16_until_a_peer_needs_it(tmp
     try:
         assert (llm.folder / "config.json").exists() and (llm.folder / "tokenizer.json").exists()
         assert not list(llm.folder.glob("*.safetensors"))
-        assert llm.generate(["Hello"], max_new_tokens=4)[0].token_ids
-        assert llm.weights_folder() == llm.folder and list(llm.folder.glob("*.safetensors"))
+        assert llm.environment()["weights"]["qkv"] == "q4_1"  # (bench's peers add the tensors: test_cli)
     finally:
         shutil.rmtree(llm.folder)

@@ -100,10 +100,11 @@ def bf16_bytes(paths: list[Path]) -> int:
     return sum(2 * int(t.n_elements) for r in readers(paths) for t in r.tensors)
 
 
-def convert(paths: list[Path], folder: Path, tensors: bool = True) -> None:
+def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too: bool = True) -> None:
     """Write the HF-style folder for the GGUF file `paths` (a split file's parts, in order): config.json
     and the tokenizer, and with `tensors` the weights dequantized to bf16 safetensors. A model whose
-    GGUF is read directly (`load_quantized`) needs only the first two: seconds, not a bf16 copy."""
+    GGUF is read directly (`load_quantized`) needs only the first two: seconds, not a bf16 copy.
+    metadata_too False: add the tensors to a folder whose config and tokenizer are current."""
     parts = readers(paths)
     meta = metadata(parts[0])
     arch = architecture(meta, paths[0])
@@ -113,12 +114,17 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True) -> None:
         old.unlink()
     if tensors:
         _write_tensors(parts, paths[0].name, arch, meta, tmp)
-    names = {hf_name(t.name, arch) for r in parts for t in r.tensors}
-    config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
-    (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
-                                                 "margingate_import_version": IMPORT_VERSION}, indent=2))
-    save_tokenizer(paths[0], tmp)
-    if folder.exists():  # an older conversion: its files give way, none of them stays behind
+    if metadata_too:
+        names = {hf_name(t.name, arch) for r in parts for t in r.tensors}
+        config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
+        (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
+                                                     "margingate_import_version": IMPORT_VERSION}, indent=2))
+        save_tokenizer(paths[0], tmp)
+    if folder.exists() and not metadata_too:
+        for f in tmp.iterdir():
+            f.replace(folder / f.name)
+        tmp.rmdir()
+    elif folder.exists():  # an older conversion: its files give way, none of them stays behind
         fresh = {f.name for f in tmp.iterdir()}
         for f in folder.iterdir():
             if f.name not in fresh and f.is_file():

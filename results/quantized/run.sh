@@ -24,3 +24,16 @@ for q in q4_k_m q8_0; do
     --max-new-tokens 32 --repeats 1 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only \
     --no-pass-profile --out results/quantized/1b-$q-b16
 done
+# The 8B at Q4_K_M (llama.cpp's quantizer), read straight from the file: no bf16 conversion is written
+M8=$MARGINGATE_CACHE/random-8b
+if [ ! -f "$MARGINGATE_CACHE/random-8b.q4_k_m.gguf" ]; then
+  [ -f "$M8/config.json" ] || .venv/bin/python scripts/make_random_model.py --size 8b --out "$M8"
+  BF16_8B=$(.venv/bin/python -c "from margingate.models.gguf_export import bf16_gguf; print(bf16_gguf('$M8'))")
+  .venv-llamacpp/bin/python scripts/quantize_gguf.py "$BF16_8B" "$MARGINGATE_CACHE/random-8b.q4_k_m.gguf" q4_k_m
+fi
+.venv/bin/margingate bench --model "$MARGINGATE_CACHE/random-8b.q4_k_m.gguf" --batch-sizes 1 --limit 2 \
+  --max-new-tokens 16 --repeats 1 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only \
+  --no-pass-profile --out results/quantized/8b-q4_k_m-b1
+.venv/bin/margingate bench --model "$MARGINGATE_CACHE/random-8b.q4_k_m.gguf" --batch-sizes 16 --limit 16 \
+  --max-new-tokens 16 --repeats 1 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only \
+  --no-pass-profile --out results/quantized/8b-q4_k_m-b16

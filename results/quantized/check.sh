@@ -1,0 +1,19 @@
+#!/bin/bash
+# Issue 33's determinism checks: the embedded model kept quantized (--weights auto, the default: Q4_1
+# matrices, Q8_0 head) under every deterministic policy, at default threads and at 1, and with each
+# non-default linear path forced. Each digest must equal the bf16 weights' (results/check, 4453dc1065a249fb).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export MARGINGATE_CACHE="${MARGINGATE_CACHE:-$PWD/.cache}"
+O=results/quantized/check
+mkdir -p $O
+run() {  # name, then check's arguments
+  local name=$1; shift
+  .venv/bin/margingate check --modes hetero,staggered --batch-sizes 4,16 --out $O/$name.json "$@" > $O/$name.txt 2>/dev/null
+  echo "$name: $(grep -o 'token ids sha256 [0-9a-f]*' $O/$name.txt) $(grep '^  all' $O/$name.txt | awk '{print $3}')"
+}
+for p in reference batch-invariant margin dvr; do
+  run $p-auto-threads-default --policy $p
+  run $p-auto-threads-1 --policy $p --threads 1
+  for isa in avx512 avx2; do MARGINGATE_FORCE_ISA=$isa run $p-auto-isa-$isa --policy $p; done
+done
