@@ -122,6 +122,12 @@ def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logp
     assert llm.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
                                             "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}
     assert set(bf16.environment()["weights"].values()) == {"bf16"}
+    from margingate.analysis.roofline import StepCost
+    from margingate.models.weights import streamed_bytes
+
+    dense = streamed_bytes(bf16.model.own_weights)  # the roofline's bytes: as stored
+    assert dense == StepCost.of(bf16.config).weight_bytes
+    assert dense / 3 < streamed_bytes(llm.model.own_weights) < dense / 2.6  # Q4_1: 5 bits, the head Q8_0: 8.5
     chosen = [prompts[i] for i in (0, 9, 21, 33)]
     params = SamplingParams(logprobs=2)
     for policy in ("reference", "fast"):

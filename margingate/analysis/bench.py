@@ -202,7 +202,10 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
         llm = llm_factory(b)
         report["environment"] = llm.environment()
         if floor is None:  # the machine's bandwidth and GEMM rate at the engine's thread count
-            report["roofline"] = floor = roofline(StepCost.of(llm.config), measure(llm.engine.num_threads),
+            from ..models.weights import streamed_bytes  # torch: loaded by the model already
+
+            cost = StepCost.of(llm.config, streamed_bytes(llm.model.own_weights))
+            report["roofline"] = floor = roofline(cost, measure(llm.engine.num_threads),
                                                   [len(p) for p in prompts_ids], max_new_tokens, batch_sizes)
         bench = Bench(llm, progress, references, in_process)
         summary = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup, external,

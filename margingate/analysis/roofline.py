@@ -67,17 +67,18 @@ def measure(threads: int, repeats: int = 5) -> Machine:
 @dataclass(frozen=True)
 class StepCost:
     """What one forward must move and compute: weights once, plus per-row K/V and FLOPs."""
-    weight_bytes: int        # every linear weight and the LM head (bf16)
+    weight_bytes: int        # every linear weight and the LM head, as stored
     linear_flops_per_row: int
     kv_bytes_per_position: int
     attention_flops_per_key: int  # per (query row, key position)
 
     @classmethod
-    def of(cls, c: ModelConfig) -> StepCost:
+    def of(cls, c: ModelConfig, weight_bytes: int | None = None) -> StepCost:
+        """`weight_bytes`: what the model stores (a quantized model's); default its bf16 size."""
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
         linear = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + LM head (tied or not, it is read)
-        return cls(weight_bytes=BF16 * linear, linear_flops_per_row=2 * linear,
+        return cls(weight_bytes=weight_bytes or BF16 * linear, linear_flops_per_row=2 * linear,
                    kv_bytes_per_position=c.num_layers * 2 * kv * BF16,
                    attention_flops_per_key=c.num_layers * 4 * q)
 

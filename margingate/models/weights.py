@@ -215,6 +215,13 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)
 
 
+def streamed_bytes(weights: ModelWeights) -> int:
+    """The bytes a decode step reads for the linears and the head, as stored (bf16, or kept quantized)."""
+    def size(m) -> int:
+        return m.data.numel() if isinstance(m, QuantWeight) else 2 * m.shape[0] * m.shape[-1]
+    return sum(size(getattr(L, g)) for L in weights.layers for g in MATRICES) + size(weights.lm_head)
+
+
 def weight_formats(weights: ModelWeights) -> dict[str, str]:
     """Each matrix group's storage ("bf16", or the GGUF types kept quantized, "q4_k+q6_k" where a
     fused matrix or the layers mix them): what the reports name."""
