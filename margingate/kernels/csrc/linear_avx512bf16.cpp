@@ -158,14 +158,19 @@ class QuantPanel {
       : q_(q), panel_(panel), kp_(kp), zero_(_mm512_set1_epi32(q.zero)),
         c_(q.codes + panel * (kp / 2) * kRowBytes), hi_(Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr) {}
 
-  // The scales of block b: one group of 32, or two of 16 (the second for pair rows 8-15).
+  // The scales of block b: one group of 32 (pair rows 8-15 share it), or two of 16.
   void block(int64_t b) {
     b_ = b;
-    for (int h = 0; h < 2; ++h) {
+    const int groups = q_.group == 16 ? 2 : 1;
+    for (int h = 0; h < groups; ++h) {
       alignas(64) float scale[16], offset[16];
-      group_scales(q_, panel_, kp_, b * kBlock / q_.group + (q_.group == 16 ? h : 0), scale, offset);
+      group_scales(q_, panel_, kp_, b * kBlock / q_.group + h, scale, offset);
       s_[h][0] = dup8(scale, 0), s_[h][1] = dup8(scale, 8);
       if constexpr (Offset) o_[h][0] = dup8(offset, 0), o_[h][1] = dup8(offset, 8);
+    }
+    if (groups == 1) {
+      s_[1][0] = s_[0][0], s_[1][1] = s_[0][1];
+      if constexpr (Offset) o_[1][0] = o_[0][0], o_[1][1] = o_[0][1];
     }
   }
 
