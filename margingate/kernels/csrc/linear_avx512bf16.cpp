@@ -14,7 +14,8 @@
 // Blocking (none of it changes a bit: every output element still takes its blocks in ascending
 // order into its own acc): k slices of kSliceBlocks blocks, outermost, so the task's x rows of a
 // slice stay in L2 while its panels pass; then NR panels, whose slice stays in L1 while the row
-// tiles pass; then MR x NR register tiles.
+// tiles pass (the next panels' slice fetched meanwhile); then MR x NR register tiles. A task of one
+// row tile has no slices: it reads each weight once, so its panels stream whole.
 #pragma GCC target("avx512f,avx512bw,avx512bf16,f16c")
 #include "contract.h"
 #include "isa.h"
@@ -24,6 +25,7 @@ namespace mg {
 namespace {
 
 constexpr int MR = kBf16Rows, NR = 2;      // register tile: 4 rows x 2 panels, e and o: 16 zmm
+constexpr int kWide = 4;                   // panels per tile for one or two rows
 constexpr __mmask32 kHi = 0xAAAAAAAAu;     // the high bf16 of every 32-bit lane
 constexpr int64_t kWords = 2 * kPanel * 2;  // bf16 per regrouped step: the even and the odd vector
 constexpr int64_t kPanelSlice = kSliceBlocks * 8 * kWords;  // one panel's regrouped slice
@@ -47,10 +49,16 @@ inline void regroup_step(const uint16_t* panel, int64_t b, int64_t s, __m512i& w
   regroup(_mm512_loadu_si512(row), _mm512_loadu_si512(row + 2 * kPanel), we, wo);
 }
 
-// Blocks [b0, b1) of one panel, regrouped: step (b - b0) * 8 + s at dst + that * kWords.
-void regroup_slice(const uint16_t* panel, int64_t b0, int64_t b1, uint16_t* dst) {
+// Blocks [b0, b1) of one panel, regrouped: step (b - b0) * 8 + s at dst + that * kWords. The same
+// slice of `next` (the panel regrouped after the row tiles that read this one) is fetched meanwhile:
+// a slice is a few KB at a panel's stride, too short for the hardware prefetchers to follow.
+void regroup_slice(const uint16_t* panel, int64_t b0, int64_t b1, uint16_t* dst, const uint16_t* next) {
   for (int64_t b = b0; b < b1; ++b)
     for (int64_t s = 0; s < 8; ++s, dst += kWords) {
+      if (next) {
+        const char* n = reinterpret_cast<const char*>(next + (b * 16 + 2 * s) * 2 * kPanel);
+        _mm_prefetch(n, _MM_HINT_T1), _mm_prefetch(n + 64, _MM_HINT_T1);
+      }
       __m512i we, wo;
       regroup_step(panel, b, s, we, wo);
       _mm512_storeu_si512(dst, we);
@@ -134,7 +142,8 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
   }
   Regrouped<P> w{{}, b0};
   for (int j = 0; j < P; ++j) {
-    regroup_slice(t.w + (p + j) * t.kp * kPanel, b0, b1, scratch + j * kPanelSlice);
+    const uint16_t* next = p + P + j < t.p1 ? t.w + (p + P + j) * t.kp * kPanel : nullptr;
+    regroup_slice(t.w + (p + j) * t.kp * kPanel, b0, b1, scratch + j * kPanelSlice, next);
     w.w[j] = scratch + j * kPanelSlice;
   }
   int64_t i = 0;
@@ -228,11 +237,14 @@ void linear_avx512bf16_quant(const LinearTask& t, const QuantPart& q, int64_t pa
 }
 
 void linear_avx512bf16(const LinearTask& t) {
-  alignas(64) static thread_local uint16_t scratch[NR * kPanelSlice];
-  const int64_t blocks = t.kp / kBlock;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
-    const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
+  alignas(64) static thread_local uint16_t scratch[kWide * kPanelSlice];
+  // One row tile reads each weight once: no slices, so each panel streams whole, as the prefetchers like.
+  const int64_t blocks = t.kp / kBlock, slice = t.m <= MR ? blocks : kSliceBlocks;
+  for (int64_t b0 = 0; b0 < blocks; b0 += slice) {
+    const int64_t b1 = min64(blocks, b0 + slice);
     int64_t p = t.p0;
+    if (t.m <= 2)  // memory-bound: four panels streaming at once keep more of memory's bandwidth busy
+      for (; p + kWide <= t.p1; p += kWide) dp_slice<kWide>(t, p, b0, b1, scratch);
     for (; p + NR <= t.p1; p += NR) dp_slice<NR>(t, p, b0, b1, scratch);
     if (p < t.p1) dp_slice<1>(t, p, b0, b1, scratch);
   }

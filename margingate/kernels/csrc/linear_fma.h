@@ -54,7 +54,8 @@ void fma_tail_rows(const LinearTask& t, const uint16_t* const* w, int64_t i, int
 }
 
 // Columns [c, c + NR * kLanes) of blocks [b0, b1) for every row, MR rows at a time: the slice of
-// W's columns stays in L1 while the row tiles pass.
+// W's columns stays in L1 while the row tiles pass, and the next columns' slice is fetched meanwhile
+// (a slice is a few KB at a panel's stride, too short for the hardware prefetchers to follow).
 template <class V, int MR, int NR>
 void fma_slice(const LinearTask& t, int64_t c, int64_t b0, int64_t b1) {
   const uint16_t* w[NR];
@@ -62,6 +63,10 @@ void fma_slice(const LinearTask& t, int64_t c, int64_t b0, int64_t b1) {
     const int64_t col = c + j * V::kLanes;
     w[j] = t.w + (col / kPanel) * t.kp * kPanel + (col % kPanel) * 2;
   }
+  const int64_t next = c + NR * V::kLanes;
+  if (t.m > MR && next < t.p1 * kPanel && next % kPanel == 0)
+    for (int64_t p = next / kPanel; p < min64(t.p1, (next + NR * V::kLanes + kPanel - 1) / kPanel); ++p)
+      prefetch_slice(t.w + p * t.kp * kPanel, b0, b1);
   const int64_t a = c - t.p0 * kPanel;  // the columns' place in acc
   int64_t i = 0;
   for (; i + MR <= t.m; i += MR) fma_tile<V, MR, NR>(t.xf + i * t.kp, t.kp, w, t.acc + i * t.ldacc + a, t.ldacc, b0, b1);
@@ -69,14 +74,15 @@ void fma_slice(const LinearTask& t, int64_t c, int64_t b0, int64_t b1) {
 }
 
 // One k slice at a time for every column and row (the task's x rows of a slice stay in L2 while
-// the columns pass), NR column vectors at a time, then single vectors. Blocks still reach each
-// acc element in ascending order: no blocking choice changes a bit.
+// the columns pass), NR column vectors at a time, then single vectors; a task of one row tile reads
+// each weight once, in one slice, so its panels stream whole. Blocks still reach each acc element
+// in ascending order: no blocking choice changes a bit.
 // The caller (linear.cpp) sets FTZ | DAZ: this code must see the contract's flushing.
 template <class V, int MR, int NR>
 void fma_linear(const LinearTask& t) {
-  const int64_t c1 = t.p1 * kPanel, blocks = t.kp / kBlock;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {
-    const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
+  const int64_t c1 = t.p1 * kPanel, blocks = t.kp / kBlock, slice = t.m <= MR ? blocks : kSliceBlocks;
+  for (int64_t b0 = 0; b0 < blocks; b0 += slice) {
+    const int64_t b1 = min64(blocks, b0 + slice);
     int64_t c = t.p0 * kPanel;
     for (; c + NR * V::kLanes <= c1; c += NR * V::kLanes) fma_slice<V, MR, NR>(t, c, b0, b1);
     for (; c < c1; c += V::kLanes) fma_slice<V, MR, 1>(t, c, b0, b1);
