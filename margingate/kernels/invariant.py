@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +59,10 @@ def ops():
     from torch.utils.cpp_extension import load
 
     sources, defines = isa_units.sources_and_defines(_CSRC, units_built())
+    lock = build_dir() / "lock"  # torch's build lock: held while another process builds, left by a killed build
+    if lock.exists():
+        warnings.warn(f"waiting for {lock}: another process is building margingate's kernels, or a build "
+                      "that was stopped left it behind (then delete it)", stacklevel=2)
     try:
         mod = load(name="margingate_invariant", sources=sources,
                    extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS + defines,
