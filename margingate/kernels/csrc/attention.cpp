@@ -2,11 +2,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 #include "kernels.h"
 
 namespace mg {
 namespace {
+
+constexpr int64_t kGroupRows = 64;  // rows sharing one widening of each K/V chunk (speed only)
 
 // Scores of one query head (fp32, d values) against n keys: s[j] = (q . k_j) * scale, each dot
 // product in hsum's order; eight keys go through one hsum_x8 (the same pairings).
@@ -17,7 +21,7 @@ void chunk_scores(const float* qf, const C* keys, int64_t n, int64_t d, float sc
     __m256 a[8];
     for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qv = _mm256_load_ps(qf + i);
+      const __m256 qv = _mm256_loadu_ps(qf + i);
       for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * d + i), a[u]);
     }
     hsum_x8(a, s + j);
@@ -25,72 +29,149 @@ void chunk_scores(const float* qf, const C* keys, int64_t n, int64_t d, float sc
   }
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qf + i), load8(keys + j * d + i), a);
+    for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(keys + j * d + i), a);
     s[j] = hsum(a) * scale;
   }
 }
 
-// Row r (query heads q[r], at position lengths[r] - 1 of cache slot slots[r]) attends
-// over keys [0, lengths[r]) of that slot. k_cache, v_cache: [S, Hkv, L, D], bf16 (the
-// engine's) or fp32 (tests against an fp32 oracle); C is their storage type.
-//
-// The keys go in chunks of kChunk, merged by online softmax in ascending order. Where the
-// chunks start is the row's `align`: 0 lays them from position 0 (exact rows: the row's
-// bits are its own); align = A > 0 lays them so that one ends at position A, as a kernel
-// walking a batch padded to A keys (left padding) does. `fast` passes its batch's longest
-// row, so its bits depend on its neighbours, as a padded batched decode's do.
-//
-// A score is q . k with hsum's order (chunk_scores).
-template <typename T, typename C>
-void attend_row(const T* q, const C* kc, const C* vc, int64_t len, int64_t align, int64_t g, int64_t d,
-                float scale, T* out) {
-  constexpr int kMaxG = 16, kMaxD = 256;
-  alignas(32) float qf[kMaxG][kMaxD], acc[kMaxG][kMaxD];
-  float mx[kMaxG], den[kMaxG];
+// The running state of one query row's g heads (online softmax): q widened to fp32, the output
+// accumulators, the running max and denominator. Views into a group's buffer (attend_group).
+struct RowState {
+  float *qf, *acc, *mx, *den;
+};
+
+// One chunk of cn keys (fp32, widened from the cache once per group) for one row's g heads: the
+// scores, the chunk's max, exp8 of the shifted scores, the denominator, and the output rescaled
+// by alpha then accumulated over the keys in ascending order.
+void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_t g, int64_t d, float scale) {
+  alignas(32) float s[kChunk];
   for (int64_t h = 0; h < g; ++h) {
-    for (int64_t i = 0; i < d; ++i) { qf[h][i] = static_cast<float>(q[h * d + i]); acc[h][i] = 0.0f; }
-    mx[h] = -INFINITY;
-    den[h] = 0.0f;
-  }
-  alignas(32) float s[kMaxG][kChunk];
-  const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
-  for (int64_t c0 = 0, cn = std::min(first, len); c0 < len; c0 += cn, cn = std::min(kChunk, len - c0)) {
-    for (int64_t h = 0; h < g; ++h) chunk_scores(qf[h], kc + c0 * d, cn, d, scale, s[h]);
-    for (int64_t h = 0; h < g; ++h) {
-      float cmax = -INFINITY;
-      for (int64_t j = 0; j < cn; ++j) cmax = std::max(cmax, s[h][j]);
-      const float m_new = std::max(mx[h], cmax);
-      const float alpha = mx[h] == -INFINITY ? 0.0f : exp1(mx[h] - m_new);
-      for (int64_t j = cn; j < kChunk; ++j) s[h][j] = -INFINITY;
-      for (int64_t j = 0; j < kChunk; j += 8) {
-        __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[h][j]), _mm256_set1_ps(m_new)));
-        _mm256_store_ps(&s[h][j], p);  // masked keys: exp(-inf) -> 0
+    const float* qf = r.qf + h * d;
+    float* acc = r.acc + h * d;
+    chunk_scores(qf, kc, cn, d, scale, s);
+    float cmax = -INFINITY;
+    for (int64_t j = 0; j < cn; ++j) cmax = std::max(cmax, s[j]);
+    const float m_new = std::max(r.mx[h], cmax);
+    const float alpha = r.mx[h] == -INFINITY ? 0.0f : exp1(r.mx[h] - m_new);
+    for (int64_t j = cn; j < kChunk; ++j) s[j] = -INFINITY;
+    for (int64_t j = 0; j < kChunk; j += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[j]), _mm256_set1_ps(m_new)));
+      _mm256_store_ps(&s[j], p);  // masked keys: exp(-inf) -> 0
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < cn; ++j) sum += s[j];
+    r.den[h] = r.den[h] * alpha + sum;
+    r.mx[h] = m_new;
+    const __m256 av = _mm256_set1_ps(alpha);
+    for (int64_t i0 = 0; i0 < d; i0 += 64) {  // 8 blocks of the output in registers, keys ascending
+      const int64_t nb = std::min<int64_t>(8, (d - i0) / 8);
+      __m256 o[8];
+      for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_mul_ps(_mm256_loadu_ps(acc + i0 + 8 * b), av);
+      for (int64_t j = 0; j < cn; ++j) {
+        const __m256 p = _mm256_set1_ps(s[j]);
+        const float* vr = vc + j * d + i0;
+        for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * b), o[b]);
       }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < cn; ++j) sum += s[h][j];
-      den[h] = den[h] * alpha + sum;
-      mx[h] = m_new;
-      const __m256 av = _mm256_set1_ps(alpha);
-      for (int64_t i0 = 0; i0 < d; i0 += 64) {  // 8 blocks of the output in registers, keys ascending
-        const int64_t nb = std::min<int64_t>(8, (d - i0) / 8);
-        __m256 o[8];
-        for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_mul_ps(_mm256_load_ps(&acc[h][i0 + 8 * b]), av);
-        for (int64_t j = 0; j < cn; ++j) {
-          const __m256 p = _mm256_set1_ps(s[h][j]);
-          const C* vr = vc + (c0 + j) * d + i0;
-          for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_fmadd_ps(p, load8(vr + 8 * b), o[b]);
-        }
-        for (int64_t b = 0; b < nb; ++b) _mm256_store_ps(&acc[h][i0 + 8 * b], o[b]);
-      }
+      for (int64_t b = 0; b < nb; ++b) _mm256_storeu_ps(acc + i0 + 8 * b, o[b]);
     }
   }
-  for (int64_t h = 0; h < g; ++h)
-    for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h][i] / den[h]);
+}
+
+// Rows of one KV head that attend over keys [0, len_i) of the same cache rows kc, vc ([L, D]; C is
+// their storage type, bf16 or fp32). q[i]: row i's g query heads; out[i] likewise.
+//
+// The keys go in chunks of kChunk, merged by online softmax in ascending order. Where the chunks
+// start is the rows' `align`: 0 lays them from position 0 (exact rows: a row's bits are its own);
+// align = A > 0 lays them so that one ends at position A, as a kernel walking a batch padded to A
+// keys (left padding) does. `fast` passes its batch's longest row, so its bits depend on its
+// neighbours, as a padded batched decode's do. Rows share a group only where their chunks start
+// at the same place; each chunk of K/V is widened to fp32 once for all of them (exact), and each
+// row takes exactly the steps it would alone. A score is q . k with hsum's order (chunk_scores).
+template <typename T, typename C>
+void attend_group(const T* const* q, const C* kc, const C* vc, const int64_t* len, int64_t rows, int64_t align,
+                  int64_t g, int64_t d, float scale, T* const* out) {
+  const int64_t per_row = 2 * g * d + 2 * g;
+  static thread_local std::vector<float> buf;
+  buf.resize(rows * per_row + 2 * kChunk * d);
+  float* const kf = buf.data() + rows * per_row;
+  float* const vf = kf + kChunk * d;
+  std::vector<RowState> st(rows);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* b = buf.data() + i * per_row;
+    st[i] = {b, b + g * d, b + 2 * g * d, b + 2 * g * d + g};
+    for (int64_t e = 0; e < g * d; ++e) st[i].qf[e] = static_cast<float>(q[i][e]), st[i].acc[e] = 0.0f;
+    for (int64_t h = 0; h < g; ++h) st[i].mx[h] = -INFINITY, st[i].den[h] = 0.0f;
+    longest = std::max(longest, len[i]);
+  }
+  const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
+  for (int64_t c0 = 0, size = first; c0 < longest; c0 += size, size = kChunk) {
+    const int64_t cn = std::min(size, longest - c0);
+    for (int64_t e = 0; e < cn * d; e += 8) {
+      _mm256_storeu_ps(kf + e, load8(kc + c0 * d + e));
+      _mm256_storeu_ps(vf + e, load8(vc + c0 * d + e));
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      if (len[i] > c0) row_chunk(st[i], kf, vf, std::min(cn, len[i] - c0), g, d, scale);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t e = 0; e < d; ++e) out[i][h * d + e] = static_cast<T>(st[i].acc[h * d + e] / st[i].den[h]);
+}
+
+// Groups: runs of rows of one slot whose chunks start at 0 (a prompt's rows, a verifier window), so
+// a chunk of K/V is widened once for all of them; any other row is a group of its own. Returns each
+// group's first row, then n.
+std::vector<int64_t> group_starts(const int64_t* slot, const int64_t* align, int64_t n, int64_t window) {
+  std::vector<int64_t> starts;
+  for (int64_t r = 0; r < n; ++r) {
+    const bool joins = r > 0 && r - starts.back() < kGroupRows && slot[r] == slot[r - 1] && window == 0 &&
+                       align[r] == 0 && align[r - 1] == 0;
+    if (!joins) starts.push_back(r);
+  }
+  starts.push_back(n);
+  return starts;
+}
+
+// Tasks group * hkv + KV head, the costliest (most keys read) first: a prompt's late rows read many
+// more keys than its early ones, and threads take the next task when free (`attention`).
+std::vector<int64_t> costliest_first(const std::vector<int64_t>& starts, const int64_t* len, int64_t hkv) {
+  std::vector<std::pair<int64_t, int64_t>> cost;
+  for (int64_t i = 0; i + 1 < int64_t(starts.size()); ++i) {
+    int64_t keys = 0;
+    for (int64_t r = starts[i]; r < starts[i + 1]; ++r) keys += len[r];
+    for (int64_t kvh = 0; kvh < hkv; ++kvh) cost.push_back({-keys, i * hkv + kvh});
+  }
+  std::stable_sort(cost.begin(), cost.end());
+  std::vector<int64_t> tasks;
+  for (const auto& c : cost) tasks.push_back(c.second);
+  return tasks;
+}
+
+// One task: rows [r0, r0 + rows) against KV head kvh of their slot. q, out: [N, H, D] of T; the caches
+// [S, Hkv, L, D] of C.
+template <typename T, typename C>
+void run_task(const T* q, const C* kc, const C* vc, T* out, const int64_t* slot, const int64_t* len,
+              const int64_t* align, int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t hkv, int64_t lmax,
+              int64_t d, int64_t window, float scale) {
+  const int64_t g = h / hkv;
+  // the group's keys are [lo, len): attend_group sees them as a prefix starting at lo
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, len[r0] - window) : 0;
+  const int64_t off = ((slot[r0] * hkv + kvh) * lmax + lo) * d, al = align[r0] ? align[r0] - lo : 0;
+  int64_t keys[kGroupRows];
+  const T* qs[kGroupRows];
+  T* os[kGroupRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    keys[r] = len[r0 + r] - lo;
+    qs[r] = q + ((r0 + r) * h + kvh * g) * d;
+    os[r] = out + ((r0 + r) * h + kvh * g) * d;
+  }
+  attend_group(qs, kc + off, vc + off, keys, rows, al, g, d, scale, os);
 }
 
 }  // namespace
 
-// `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_row).
+// `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_group).
 // `window` > 0: a row sees only its last `window` keys (sliding-window layers) and lays its
 // chunks from the first of them, so its bits stay a function of its own position.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -118,24 +199,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(sp[r] >= 0 && sp[r] < k_cache.size(0) && lp[r] >= 1 && lp[r] <= lmax && ap[r] >= 0,
                 "attention: slot, length or align out of range");
   at::Tensor out = at::empty_like(q);
-  const int64_t g = h / hkv;
-  const bool fp32_cache = k_cache.scalar_type() == at::kFloat;
-  at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t r = t / hkv, kvh = t % hkv, qo = (r * h + kvh * g) * d;
-      // the row's keys are [lo, len): attend_row sees them as a prefix starting at lo
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, lp[r] - window) : 0;
-      const int64_t off = ((sp[r] * hkv + kvh) * lmax + lo) * d, len = lp[r] - lo, align = ap[r] ? ap[r] - lo : 0;
-      const float sc = static_cast<float>(scale);
-      if (q.scalar_type() == at::kFloat && fp32_cache)
-        attend_row(q.data_ptr<float>() + qo, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off,
-                   len, align, g, d, sc, out.data_ptr<float>() + qo);
-      else if (q.scalar_type() == at::kFloat)
-        attend_row(q.data_ptr<float>() + qo, u16(k_cache) + off, u16(v_cache) + off, len, align, g, d, sc,
-                   out.data_ptr<float>() + qo);
+  const std::vector<int64_t> starts = group_starts(sp, ap, n, window);
+  const std::vector<int64_t> tasks = costliest_first(starts, lp, hkv);
+  const bool fp32_q = q.scalar_type() == at::kFloat, fp32_cache = k_cache.scalar_type() == at::kFloat;
+  const float sc = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};  // which thread runs a task changes no bit
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next++) < int64_t(tasks.size());) {
+      const int64_t i = tasks[t] / hkv, kvh = tasks[t] % hkv, r0 = starts[i], rows = starts[i + 1] - r0;
+      if (fp32_q && fp32_cache)
+        run_task(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+                 sp, lp, ap, r0, rows, kvh, h, hkv, lmax, d, window, sc);
+      else if (fp32_q)
+        run_task(q.data_ptr<float>(), u16(k_cache), u16(v_cache), out.data_ptr<float>(), sp, lp, ap, r0, rows, kvh,
+                 h, hkv, lmax, d, window, sc);
       else
-        attend_row(q.data_ptr<bf16>() + qo, u16(k_cache) + off, u16(v_cache) + off, len, align, g, d, sc,
-                   out.data_ptr<bf16>() + qo);
+        run_task(q.data_ptr<bf16>(), u16(k_cache), u16(v_cache), out.data_ptr<bf16>(), sp, lp, ap, r0, rows, kvh,
+                 h, hkv, lmax, d, window, sc);
     }
   });
   return out;
