@@ -32,6 +32,8 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             # paths this CPU has that failed their load-time proof (csrc/linear_proof.cpp): {path: why}
             "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
             "weights": weight_formats(llm.model.own_weights),  # each matrix group's storage: bf16 or its GGUF types
+            # --quantize: the matrices' values are the quantized ones even where they are then held as bf16
+            "quantize": llm.quantize,
             "python": platform.python_version(), "packages": package_versions()}
 
 

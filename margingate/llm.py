@@ -69,6 +69,7 @@ class LLM:
         # a GGUF read directly (weights "auto") needs only its config and tokenizer converted
         self.folder = resolve_model_dir(model, tensors=weights == "bf16" or gguf_parts(model) is None)
         self.model_name = model
+        self.quantize = quantize  # recorded: a folder quantized at load has other bits than the folder
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
         self.model = build_model(self.config, self._state(model, weights, quantize), device, kernels)

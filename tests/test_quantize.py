@@ -221,6 +221,7 @@ def test_a_folder_quantized_at_load_gives_its_exported_files_tokens_and_logprobs
         file_bf16 = LLM(str(exported), max_batch_size=4, weights="bf16")
     assert folder.environment()["weights"] == file.environment()["weights"] == Q4_K_FORMATS
     assert set(file_bf16.environment()["weights"].values()) == {"bf16"}
+    assert folder.environment()["quantize"] == "q4_k" and file.environment()["quantize"] is None
     chosen, params = [prompts[i] for i in (0, 12, 27)], SamplingParams(logprobs=2)
     got = [m.generate(chosen, max_new_tokens=12, policy=m.policy("reference"), sampling=params)
            for m in (folder, file, file_bf16, llm)]
@@ -228,3 +229,18 @@ def test_a_folder_quantized_at_load_gives_its_exported_files_tokens_and_logprobs
         assert [c.token_ids for c in other] == [c.token_ids for c in got[0]]
         assert [c.logprobs for c in other] == [c.logprobs for c in got[0]]
     assert [c.logprobs for c in got[3]] != [c.logprobs for c in got[0]]
+
+
+def test_a_run_of_the_folder_is_never_reused_for_it_quantized_at_load(model_dir):
+    """--quantize with --weights bf16 holds bf16 like the folder, with other values: the environment
+    record names the quantization and the run cache's key differs (else a cached run of one would be
+    reported as the other's)."""
+    from margingate.analysis.runs import CachedRuns
+    from margingate.llm import LLM
+
+    plain, quantized = LLM(str(model_dir), max_batch_size=1), LLM(str(model_dir), max_batch_size=1, quantize="q8_0",
+                                                                 weights="bf16")
+    assert plain.environment()["weights"] == quantized.environment()["weights"]
+    assert plain.environment()["quantize"] is None and quantized.environment()["quantize"] == "q8_0"
+    keys = [CachedRuns(m, [[1, 2]], 4, progress=False).key({"policy": "reference"}) for m in (plain, quantized)]
+    assert keys[0] != keys[1]
