@@ -95,7 +95,7 @@ void attend_group(const T* const* q, const C* kc, const C* vc, const int64_t* le
   buf.resize(rows * per_row + 2 * kChunk * d);
   float* const kf = buf.data() + rows * per_row;
   float* const vf = kf + kChunk * d;
-  std::vector<RowState> st(rows);
+  RowState st[kGroupRows];  // rows <= kGroupRows (group_starts): no allocation per task
   int64_t longest = 0;
   for (int64_t i = 0; i < rows; ++i) {
     float* b = buf.data() + i * per_row;
