@@ -25,7 +25,7 @@ void chunk_scores(const float* qf, const C* keys, int64_t n, int64_t d, float sc
       for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * d + i), a[u]);
     }
     hsum_x8(a, s + j);
-    for (int u = 0; u < 8; ++u) s[j + u] *= scale;
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(scale)));
   }
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
@@ -40,41 +40,72 @@ struct RowState {
   float *qf, *acc, *mx, *den;
 };
 
-// One chunk of cn keys (fp32, widened from the cache once per group) for one row's g heads: the
-// scores, the chunk's max, exp8 of the shifted scores, the denominator, and the output rescaled
-// by alpha then accumulated over the keys in ascending order.
-void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_t g, int64_t d, float scale) {
-  alignas(32) float s[kChunk];
-  for (int64_t h = 0; h < g; ++h) {
-    const float* qf = r.qf + h * d;
-    float* acc = r.acc + h * d;
-    chunk_scores(qf, kc, cn, d, scale, s);
-    float cmax = -INFINITY;
-    for (int64_t j = 0; j < cn; ++j) cmax = std::max(cmax, s[j]);
-    const float m_new = std::max(r.mx[h], cmax);
-    const float alpha = r.mx[h] == -INFINITY ? 0.0f : exp1(r.mx[h] - m_new);
-    for (int64_t j = cn; j < kChunk; ++j) s[j] = -INFINITY;
-    for (int64_t j = 0; j < kChunk; j += 8) {
-      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[j]), _mm256_set1_ps(m_new)));
-      _mm256_store_ps(&s[j], p);  // masked keys: exp(-inf) -> 0
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < cn; ++j) sum += s[j];
-    r.den[h] = r.den[h] * alpha + sum;
-    r.mx[h] = m_new;
-    const __m256 av = _mm256_set1_ps(alpha);
-    for (int64_t i0 = 0; i0 < d; i0 += 64) {  // 8 blocks of the output in registers, keys ascending
-      const int64_t nb = std::min<int64_t>(8, (d - i0) / 8);
-      __m256 o[8];
-      for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_mul_ps(_mm256_loadu_ps(acc + i0 + 8 * b), av);
-      for (int64_t j = 0; j < cn; ++j) {
-        const __m256 p = _mm256_set1_ps(s[j]);
-        const float* vr = vc + j * d + i0;
-        for (int64_t b = 0; b < nb; ++b) o[b] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * b), o[b]);
-      }
-      for (int64_t b = 0; b < nb; ++b) _mm256_storeu_ps(acc + i0 + 8 * b, o[b]);
-    }
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head (checked in `attention`)
+
+// The largest of s[0, kChunk), NaN ignored (as the scalar max: a NaN score never wins). Max is exact,
+// so the lanes' order changes no value (at most a zero's sign, and exp of either zero is 1).
+inline float chunk_max(const float* s) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < kChunk; j += 8) m = _mm256_max_ps(_mm256_load_ps(s + j), m);  // NaN in s: keeps m
+  alignas(32) float l[8];
+  _mm256_store_ps(l, m);
+  float out = l[0];
+  for (int u = 1; u < 8; ++u) out = std::max(out, l[u]);
+  return out;
+}
+
+// acc[0, 8 NB) = acc * alpha + sum over keys j ascending of p[j] * v_j[0, 8 NB): NB blocks in registers
+// (a compile-time count, so they stay there).
+template <int NB>
+void weigh_blocks(float* acc, const float* p, const float* vc, int64_t cn, int64_t d, __m256 alpha) {
+  __m256 o[NB];
+  for (int b = 0; b < NB; ++b) o[b] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * b), alpha);
+  for (int64_t j = 0; j < cn; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int b = 0; b < NB; ++b) o[b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vc + j * d + 8 * b), o[b]);
   }
+  for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc + 8 * b, o[b]);
+}
+
+// acc (d values) = acc * alpha + sum over keys j ascending of p[j] * v_j, 64 values at a time.
+void weigh_values(float* acc, const float* p, const float* vc, int64_t cn, int64_t d, float alpha) {
+  using Blocks = void (*)(float*, const float*, const float*, int64_t, int64_t, __m256);
+  static constexpr Blocks kTail[8] = {nullptr, weigh_blocks<1>, weigh_blocks<2>, weigh_blocks<3>,
+                                      weigh_blocks<4>, weigh_blocks<5>, weigh_blocks<6>, weigh_blocks<7>};
+  const __m256 av = _mm256_set1_ps(alpha);
+  int64_t i0 = 0;
+  for (; i0 + 64 <= d; i0 += 64) weigh_blocks<8>(acc + i0, p, vc + i0, cn, d, av);
+  if (i0 < d) kTail[(d - i0) / 8](acc + i0, p, vc + i0, cn, d, av);
+}
+
+// One chunk of cn keys (fp32, widened from the cache once per group) for one row's g heads, a phase
+// at a time over all heads so that their latency-bound steps overlap: the scores, each head's max and
+// exp8 of its shifted scores, the denominators (each head's sum in ascending order: four heads'
+// chains side by side), then the output rescaled by alpha and accumulated over the keys ascending.
+void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_t g, int64_t d, float scale) {
+  alignas(32) float s[kMaxGroup][kChunk];
+  float alpha[kMaxGroup];
+  for (int64_t h = 0; h < g; ++h) {
+    chunk_scores(r.qf + h * d, kc, cn, d, scale, s[h]);
+    for (int64_t j = cn; j < kChunk; ++j) s[h][j] = -INFINITY;
+    const float m_new = std::max(r.mx[h], chunk_max(s[h]));
+    alpha[h] = r.mx[h] == -INFINITY ? 0.0f : exp1(r.mx[h] - m_new);
+    r.mx[h] = m_new;
+    for (int64_t j = 0; j < kChunk; j += 8)  // masked keys: exp(-inf) -> 0
+      _mm256_store_ps(&s[h][j], exp8(_mm256_sub_ps(_mm256_load_ps(&s[h][j]), _mm256_set1_ps(m_new))));
+  }
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t hn = std::min<int64_t>(4, g - h0);
+    if (hn == 4)
+      for (int64_t j = 0; j < cn; ++j)
+        for (int u = 0; u < 4; ++u) sum[u] += s[h0 + u][j];
+    else
+      for (int64_t u = 0; u < hn; ++u)
+        for (int64_t j = 0; j < cn; ++j) sum[u] += s[h0 + u][j];
+    for (int64_t u = 0; u < hn; ++u) r.den[h0 + u] = r.den[h0 + u] * alpha[h0 + u] + sum[u];
+  }
+  for (int64_t h = 0; h < g; ++h) weigh_values(r.acc + h * d, s[h], vc, cn, d, alpha[h]);
 }
 
 // Rows of one KV head that attend over keys [0, len_i) of the same cache rows kc, vc ([L, D]; C is
@@ -187,7 +218,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "attention: the KV cache must be bf16 or fp32");
   const int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), lmax = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0 && d <= 256, "attention: head dim must be a multiple of 8, <= 256");
-  TORCH_CHECK(h % hkv == 0 && h / hkv <= 16, "attention: query heads must be a multiple of KV heads (<= 16x)");
+  TORCH_CHECK(h % hkv == 0 && h / hkv <= kMaxGroup, "attention: query heads must be a multiple of KV heads (<= 16x)");
   at::Tensor sl = slots.to(at::kLong).contiguous(), ln = lengths.to(at::kLong).contiguous();
   at::Tensor al = aligns.to(at::kLong).contiguous();
   TORCH_CHECK(sl.numel() == n && ln.numel() == n && al.numel() == n, "attention: one slot, length, align per row");

@@ -57,9 +57,10 @@ struct QuantPart {
 void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);        // quant.cpp
 void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);  // linear_avx512bf16.cpp
 
-// The AVX512-BF16 linear over one panel of a part (t.p0 = 0, t.p1 = 1, t.w unused) for at most
-// kBf16Rows rows, dequantizing in registers as it goes: dequant_panel_avx512bf16's bits, then
-// linear_avx512bf16's order.
+// The AVX512-BF16 linear over panels [t.p0, t.p1) of a task (t.w unused), which are the part's
+// panels from `panel` on: dequant_panel_avx512bf16's bits, then linear_avx512bf16's order. Dequantized
+// as the kernel reads them, never into a whole-panel scratch: in registers for at most kBf16Rows rows,
+// else a k slice of two panels at a time into L1, read there by every row tile.
 void linear_avx512bf16_quant(const LinearTask& t, const QuantPart& q, int64_t panel);
 
 }  // namespace mg

@@ -49,7 +49,7 @@ bool is_quantized(const at::Tensor& w);
 QuantMatrix quant_matrix(const at::Tensor& blob);  // checked: an error names what is wrong
 void dequant_panel_reference(const QuantMatrix& m, int64_t panel, uint16_t* dst);
 void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst);  // linear_paths.cpp: p's ISA
-bool run_quant_in_registers(Path p, const LinearTask& t, const QuantMatrix& m);  // linear_paths.cpp
+bool run_quant_directly(Path p, const LinearTask& t, const QuantMatrix& m);  // linear_paths.cpp
 at::Tensor dequantize_packed(const at::Tensor& blob);  // [panels, k / 2, 16, 2] bf16, the reference
 at::Tensor dequantize_rows(const at::Tensor& blob, const at::Tensor& index);
 

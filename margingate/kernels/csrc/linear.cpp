@@ -136,7 +136,7 @@ Split split_for(const Shape& s, int64_t threads) {
 // weight. The dequantized panels hold the packed weight's bits, so the sums are the same.
 void run_panels(Path path, const LinearTask& t, const QuantMatrix* q) {
   if (!q) return run_path(path, t);
-  if (run_quant_in_registers(path, t, *q)) return;
+  if (run_quant_directly(path, t, *q)) return;
   static thread_local std::vector<uint16_t> scratch;
   const int64_t chunk = std::max<int64_t>(2, (int64_t(1) << 17) / (t.kp * kPanel));  // 256 KB of bf16
   scratch.resize(chunk * t.kp * kPanel);

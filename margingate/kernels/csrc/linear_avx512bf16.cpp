@@ -130,6 +130,17 @@ void dp_last_tile(const LinearTask& t, W& w, int64_t i, int64_t c, int64_t left,
   }
 }
 
+// Every row tile of the task over panels [p, p + P) (acc column c) of blocks [b0, b1), the panels'
+// slices regrouped in scratch (kPanelSlice apart): each tile reads them from L1.
+template <int P>
+void scratch_tiles(const LinearTask& t, int64_t c, int64_t b0, int64_t b1, const uint16_t* scratch) {
+  Regrouped<P> w{{}, b0};
+  for (int j = 0; j < P; ++j) w.w[j] = scratch + j * kPanelSlice;
+  int64_t i = 0;
+  for (; i + MR <= t.m; i += MR) dp_tile<MR, P>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
+  if (i < t.m) dp_last_tile<MR - 1, P>(t, w, i, c, t.m - i, b0, b1);
+}
+
 // Panels [p, p + P) of blocks [b0, b1) for every row of the task. With more than one row tile
 // the slice is regrouped once, into scratch, and every tile reads it from L1.
 template <int P>
@@ -140,15 +151,11 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
     for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
     return dp_last_tile<MR, P>(t, w, 0, c, t.m, b0, b1);
   }
-  Regrouped<P> w{{}, b0};
   for (int j = 0; j < P; ++j) {
     const uint16_t* next = p + P + j < t.p1 ? t.w + (p + P + j) * t.kp * kPanel : nullptr;
     regroup_slice(t.w + (p + j) * t.kp * kPanel, b0, b1, scratch + j * kPanelSlice, next);
-    w.w[j] = scratch + j * kPanelSlice;
   }
-  int64_t i = 0;
-  for (; i + MR <= t.m; i += MR) dp_tile<MR, P>(t.xb + i * t.kp, w, t.acc + i * t.ldacc + c, t.ldacc, b0, b1);
-  if (i < t.m) dp_last_tile<MR - 1, P>(t, w, i, c, t.m - i, b0, b1);
+  scratch_tiles<P>(t, c, b0, b1, scratch);
 }
 
 // 16 columns' scales (or offsets) for the 16 lanes of half a pair row: columns [c, c + 8), each twice.
@@ -217,6 +224,21 @@ struct Dequantized {
   }
 };
 
+// Blocks [b0, b1) of one quantized panel, dequantized and regrouped straight into scratch (as
+// regroup_slice lays a packed panel's): the packed bf16 panel is never written.
+template <class Panel>
+void dequant_slice(Panel& w, int64_t b0, int64_t b1, uint16_t* dst) {
+  for (int64_t b = b0; b < b1; ++b) {
+    w.block(b);
+    for (int64_t s = 0; s < 8; ++s, dst += kWords) {
+      __m512i we, wo;
+      regroup(w.row(2 * s), w.row(2 * s + 1), we, wo);
+      _mm512_storeu_si512(dst, we);
+      _mm512_storeu_si512(dst + 2 * kPanel, wo);
+    }
+  }
+}
+
 }  // namespace
 
 void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst) {
@@ -230,9 +252,29 @@ void dequant_panel_avx512bf16(const QuantPart& q, int64_t panel, int64_t kp, uin
 }
 
 void linear_avx512bf16_quant(const LinearTask& t, const QuantPart& q, int64_t panel) {
+  alignas(64) static thread_local uint16_t scratch[NR * kPanelSlice];
   by_format(q, [&](auto f) {
-    Dequantized<decltype(f)::kBits, decltype(f)::kOffset> w{{q, panel, t.kp}};
-    dp_last_tile<MR, 1>(t, w, 0, 0, t.m, 0, t.kp / kBlock);
+    using Panel = QuantPanel<decltype(f)::kBits, decltype(f)::kOffset>;
+    const int64_t blocks = t.kp / kBlock;
+    if (t.m <= MR) {  // one row tile: each weight is read once, dequantized in registers
+      for (int64_t p = t.p0; p < t.p1; ++p) {
+        Dequantized<decltype(f)::kBits, decltype(f)::kOffset> w{Panel(q, panel + p - t.p0, t.kp)};
+        dp_last_tile<MR, 1>(t, w, 0, (p - t.p0) * kPanel, t.m, 0, blocks);
+      }
+      return;
+    }
+    for (int64_t b0 = 0; b0 < blocks; b0 += kSliceBlocks) {  // as linear_avx512bf16, but dequantized into L1
+      const int64_t b1 = min64(blocks, b0 + kSliceBlocks);
+      for (int64_t p = t.p0; p < t.p1; p += NR) {
+        const int64_t np = min64(NR, t.p1 - p);
+        for (int64_t j = 0; j < np; ++j) {
+          Panel w(q, panel + p - t.p0 + j, t.kp);
+          dequant_slice(w, b0, b1, scratch + j * kPanelSlice);
+        }
+        if (np == NR) scratch_tiles<NR>(t, (p - t.p0) * kPanel, b0, b1, scratch);
+        else scratch_tiles<1>(t, (p - t.p0) * kPanel, b0, b1, scratch);
+      }
+    }
   });
 }
 

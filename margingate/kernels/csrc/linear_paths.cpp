@@ -131,16 +131,19 @@ void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst) {
   dequant_panel_avx2(*q, at, m.k, dst);
 }
 
-// Few rows of a quantized weight on AVX512-BF16: dequantized in registers, panel by panel, no scratch.
-// False where the path has no such kernel: the caller dequantizes into a scratch.
-bool run_quant_in_registers(Path p, const LinearTask& t, const QuantMatrix& m) {
+// A quantized weight on AVX512-BF16: dequantized as the kernel reads it (linear_avx512bf16_quant), a
+// run of panels within one part at a time. False where the path has no such kernel: the caller
+// dequantizes whole panels into a scratch.
+bool run_quant_directly(Path p, const LinearTask& t, const QuantMatrix& m) {
 #if MG_BUILT_AVX512BF16
-  if (p != Path::kAvx512Bf16 || t.m > kBf16Rows) return false;
-  for (int64_t panel = t.p0; panel < t.p1; ++panel) {
+  if (p != Path::kAvx512Bf16) return false;
+  for (int64_t panel = t.p0; panel < t.p1;) {
     const auto [q, at] = m.locate(panel);
+    const int64_t run = std::min(t.p1 - panel, q->panels - at);
     LinearTask s = t;
-    s.p0 = 0, s.p1 = 1, s.acc = t.acc + (panel - t.p0) * kPanel;
+    s.p0 = 0, s.p1 = run, s.acc = t.acc + (panel - t.p0) * kPanel;
     linear_avx512bf16_quant(s, *q, at);
+    panel += run;
   }
   return true;
 #else
