@@ -131,9 +131,10 @@ Split split_for(const Shape& s, int64_t threads) {
   return {rows, panels, row_jobs, (s.panels + panels - 1) / panels};
 }
 
-// Panels [t.p0, t.p1) of a job on the path: straight from the packed weight, or from a quantized
-// one dequantized a few panels at a time into a scratch (in L2) that the path then reads like a packed
-// weight. The dequantized panels hold the packed weight's bits, so the sums are the same.
+// Panels [t.p0, t.p1) of a job on the path: straight from the packed weight; from a quantized one
+// dequantized as the kernel reads it (AVX512-BF16: run_quant_directly); else dequantized a few panels
+// at a time into a scratch (in L2) that the path then reads like a packed weight. The dequantized
+// panels hold the packed weight's bits, so the sums are the same.
 void run_panels(Path path, const LinearTask& t, const QuantMatrix* q) {
   if (!q) return run_path(path, t);
   if (run_quant_directly(path, t, *q)) return;
