@@ -12,10 +12,10 @@ namespace {
 
 constexpr int64_t kGroupRows = 64;  // rows sharing one widening of each K/V chunk (speed only)
 
-// Scores of one query head (fp32, d values) against n keys: s[j] = (q . k_j) * scale, each dot
-// product in hsum's order; eight keys go through one hsum_x8 (the same pairings).
-template <typename C>
-void chunk_scores(const float* qf, const C* keys, int64_t n, int64_t d, float scale, float* s) {
+// Scores of one query head (fp32, d values) against n keys (fp32, widened once per group):
+// s[j] = (q . k_j) * scale, each dot product in hsum's order; eight keys go through one hsum_x8
+// (the same pairings).
+void chunk_scores(const float* qf, const float* keys, int64_t n, int64_t d, float scale, float* s) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {  // eight keys' dot products, then their eight tree sums at once
     __m256 a[8];
@@ -97,12 +97,8 @@ void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int64_t hn = std::min<int64_t>(4, g - h0);
-    if (hn == 4)
-      for (int64_t j = 0; j < cn; ++j)
-        for (int u = 0; u < 4; ++u) sum[u] += s[h0 + u][j];
-    else
-      for (int64_t u = 0; u < hn; ++u)
-        for (int64_t j = 0; j < cn; ++j) sum[u] += s[h0 + u][j];
+    for (int64_t j = 0; j < cn; ++j)
+      for (int64_t u = 0; u < hn; ++u) sum[u] += s[h0 + u][j];
     for (int64_t u = 0; u < hn; ++u) r.den[h0 + u] = r.den[h0 + u] * alpha[h0 + u] + sum[u];
   }
   for (int64_t h = 0; h < g; ++h) weigh_values(r.acc + h * d, s[h], vc, cn, d, alpha[h]);

@@ -122,11 +122,12 @@ void run_path(Path p, const LinearTask& t) {
 }
 
 // The dequantizer of the path's ISA (AMX CPUs have AVX512-BF16); every one gives the reference's bits.
+// The AVX512-BF16 path never comes here: it dequantizes as it reads (run_quant_directly).
 void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst) {
   const auto [q, at] = m.locate(panel);
 #if MG_BUILT_AVX512BF16
   static const bool bf16 = cpu_has(Path::kAvx512Bf16);
-  if (bf16 && (p == Path::kAmx || p == Path::kAvx512Bf16)) return dequant_panel_avx512bf16(*q, at, m.k, dst);
+  if (bf16 && p == Path::kAmx) return dequant_panel_avx512bf16(*q, at, m.k, dst);
 #endif
   dequant_panel_avx2(*q, at, m.k, dst);
 }
