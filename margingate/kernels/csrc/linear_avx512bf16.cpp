@@ -179,7 +179,8 @@ void scratch_tiles(const LinearTask& t, int64_t c, int64_t b0, int64_t b1, const
 // Panels [p, p + P) of blocks [b0, b1) for every row of the task, while the next panels' slice is
 // fetched. Up to kRegisterRows rows every tile regroups the weights in registers (the shifts and
 // blends share no port with VDPBF16PS); with more tiles the slice is regrouped once, into scratch,
-// and every tile reads it from L1 (measured at 8, 16 and 32 rows: 1.46x, 1.07x, 0.96x the scratch).
+// and every tile reads it from L1 (measured at 8, 16 and 32 rows: 1.14x, 1.07x, 0.96x the scratch).
+// kWide panels come only with one row tile (linear_avx512bf16), so only P <= NR reaches the rest.
 template <int P>
 void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* scratch) {
   const int64_t c = (p - t.p0) * kPanel;
