@@ -247,3 +247,30 @@ def test_nucleus_reads_only_the_head_and_equals_the_whole_order():
         cum = torch.tensor(e[order].double().numpy().cumsum())
         want = order[:min(int(torch.searchsorted(cum, p * total)) + 1, len(order))]
         assert torch.equal(nucleus(row, p, e, total), want), trial
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The greedy token comes from our own argmax (torch's costs ~1 ns per vocabulary entry): the first
+    maximum as torch.argmax, on random, tied (+0 and -0 too), -inf, NaN and short rows, at every
+    length around the 8-lane blocks."""
+    from margingate.kernels import invariant
+
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for v in (1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 64, 100, 49152):
+        rows += [torch.randn(3, v, generator=g), torch.round(torch.randn(3, v, generator=g)),
+                 torch.full((1, v), -math.inf), torch.zeros(1, v)]
+        signed = torch.zeros(2, v)
+        signed[0, v // 2:] = -0.0
+        signed[1, :v // 2] = -0.0
+        rows.append(signed)
+        for at in {0, v // 2, v - 1}:  # NaN first, in the middle, last; a second NaN later
+            r = torch.randn(2, v, generator=g)
+            r[:, at] = math.nan
+            r[1, min(v - 1, at + 3)] = math.nan
+            r[1, (at + 5) % v] = math.inf
+            rows.append(r)
+    for r in rows:
+        assert invariant.argmax_rows(r) == r.argmax(-1).tolist(), r
+    with pytest.raises(RuntimeError, match="empty"):
+        invariant.argmax_rows(torch.zeros(2, 0))

@@ -8,7 +8,7 @@ function of the request alone (its options, its own history, the row's position)
 1. `logit_bias` is added; penalties from the request's own tokens before the row's position:
    `repetition_penalty` (prompt and output, as vLLM: positive logits divided, negative multiplied),
    `frequency_penalty` x count and `presence_penalty` (output tokens, as OpenAI);
-2. temperature 0: the argmax of that (ties: the lowest token id, as torch.argmax);
+2. temperature 0: the argmax of that (ties: the lowest token id, as torch.argmax; our own kernel);
 3. otherwise / temperature, then the filters, ties always broken by token id: `top_k` keeps the k
    best, `top_p` the shortest best-first run whose probability reaches p (a sequential fp64 sum in
    that order against p x the row's total in the kernels' fixed order), `min_p` the tokens with
@@ -66,7 +66,7 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     scored = dist
     if seq.request.sampling.temperature > 0:
         scored = invariant.add_gumbel_(dist.clone(), seq.request.sampling.seed, first_pos + 1)
-    return Choice(first_pos, rows, scored, scored.argmax(-1).tolist(), dist)
+    return Choice(first_pos, rows, scored, invariant.argmax_rows(scored), dist)
 
 
 def processed(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: list[int]) -> torch.Tensor:

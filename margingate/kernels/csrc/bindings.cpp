@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
   m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
   m.def("sum_exp_rows", &sum_exp_rows, "per-row sum of exp(x - max), fp64, the fixed order of logsumexp_rows");
+  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum, as torch.argmax (NaN wins)");
   m.def("philox4x32", &philox4x32, "one Philox4x32-10 block (known-answer tests)");
   m.def("add_gumbel_", &add_gumbel_, "rows[r] += Gumbel noise keyed by (seed, first_position + r, token), in place");
   m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");

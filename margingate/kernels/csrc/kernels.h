@@ -69,6 +69,7 @@ void add_into(at::Tensor& h, const at::Tensor& y);
 at::Tensor logsumexp_rows(const at::Tensor& x);
 at::Tensor exp_shifted(const at::Tensor& x, const at::Tensor& shift);
 at::Tensor sum_exp_rows(const at::Tensor& x);
+std::vector<int64_t> argmax_rows(const at::Tensor& x);
 at::Tensor philox4x32(const at::Tensor& counter, const at::Tensor& key);
 void add_gumbel_(at::Tensor& rows, int64_t seed, int64_t first_position);
 

@@ -1,4 +1,4 @@
-// Per-row statistics of fp32 logits for logprobs and nucleus sampling, and the Gumbel noise of
+// Per-row statistics of fp32 logits for logprobs and nucleus sampling, the greedy argmax, and the Gumbel noise of
 // seeded sampling (Philox uniforms keyed by seed, position and token), in an order fixed by the row alone: one thread per row, exp is contract.h's exp8, the sum goes through 8 fp64 lanes
 // (element j into lane j mod 8) added in a fixed tree, and log is our own series below. No
 // libm call, so no bit depends on the CPU, the thread count or the math library's dispatch.
@@ -74,6 +74,39 @@ __m256d log4(__m256d s) {
                        _mm256_mul_pd(_mm256_set1_pd(2.0), _mm256_mul_pd(t, p)));
 }
 
+// The first index of a row's largest value, as torch.argmax: a NaN counts as larger than any number
+// (the first NaN wins) and equal values (+0 and -0 among them) keep the lowest index. Eight lanes,
+// each keeping its largest value and the first index of it, then the lanes in index order.
+int64_t row_argmax(const float* x, int64_t v) {
+  int64_t j = 0, at = 0;
+  float top = -INFINITY;
+  if (v >= 16) {
+    __m256 tops = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);
+    __m256i ats = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = ats;
+    for (j = 8; j + 8 <= v; j += 8) {
+      idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+      const __m256 y = _mm256_loadu_ps(x + j), gt = _mm256_cmp_ps(y, tops, _CMP_GT_OQ);
+      tops = _mm256_blendv_ps(tops, y, gt);
+      ats = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ats), _mm256_castsi256_ps(idx), gt));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) j = 0;  // a NaN: the scalar pass below finds the first
+    else {
+      alignas(32) float tv[8];
+      alignas(32) int32_t ti[8];
+      _mm256_store_ps(tv, tops), _mm256_store_si256(reinterpret_cast<__m256i*>(ti), ats);
+      top = tv[0], at = ti[0];
+      for (int l = 1; l < 8; ++l)
+        if (tv[l] > top || (tv[l] == top && ti[l] < at)) top = tv[l], at = ti[l];
+    }
+  }
+  for (int64_t first = j; j < v; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > top || (j == first && first == 0)) top = x[j], at = j;
+  }
+  return at;
+}
+
 void check_rows(const at::Tensor& x) {
   check_cpu(x, "logits");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "logits must be a 2-D fp32 tensor");
@@ -94,6 +127,14 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
       po[r] = std::isfinite(m) ? static_cast<float>(m + log_series(sum_exp_row(row, v, m))) : m;
     }
   });
+  return out;
+}
+
+std::vector<int64_t> argmax_rows(const at::Tensor& x) {
+  check_rows(x);
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: the rows are empty");
+  std::vector<int64_t> out(x.size(0));
+  for (int64_t r = 0; r < x.size(0); ++r) out[r] = row_argmax(x.data_ptr<float>() + r * x.size(1), x.size(1));
   return out;
 }
 
