@@ -215,7 +215,7 @@ def test_plain_folder_round_trips_through_our_gguf_importer(plain, tmp_path, mon
 
     folder, reader = plain
     # The tokenizer is checked above, and slow to rebuild; the file is read once already.
-    monkeypatch.setattr(gguf_import, "save_tokenizer", lambda path, out: None)
+    monkeypatch.setattr(gguf_import, "save_tokenizer", lambda path, out, reader: None)
     monkeypatch.setattr(gguf_import, "readers", lambda paths: [reader])
     gguf_import.convert([Path(reader.data.filename)], tmp_path / "back")
     back, ours = load_state_dict(tmp_path / "back"), load_state_dict(folder)

@@ -5,6 +5,8 @@ transformers' forward; models too big for memory refused before conversion; name
 packages are absent refused with the pip install that provides them."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -48,9 +50,15 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{i}.{LAYER[module]}.{kind}"
 
 
+@functools.cache
+def _embedded_reader():
+    """The embedded model's GGUF, read once for every test that copies its tokenizer (seconds each)."""
+    return gguf.GGUFReader(str(loader.embedded_gguf_path("smollm2-135m")))
+
+
 def _write_gguf(model, arch: str, qtype, paths, tokenizer: bool = True):
     """The model as llama.cpp writes it, over len(paths) files (metadata and tokenizer in the first)."""
-    source = gguf.GGUFReader(str(loader.embedded_gguf_path("smollm2-135m")))
+    source = _embedded_reader()
     state = {_gguf_name(k): v for k, v in model.state_dict().items()}
     names = sorted(state)
     for part, path in enumerate(paths):

@@ -9,6 +9,7 @@ Gemma files store norm weights as 1 + w.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -95,17 +96,21 @@ def architecture(meta: dict, source: Path) -> str:
     return arch
 
 
-def bf16_bytes(paths: list[Path]) -> int:
-    """The model's size once dequantized to BF16 (2 bytes per weight)."""
-    return sum(2 * int(t.n_elements) for r in readers(paths) for t in r.tensors)
+def bf16_bytes(parts) -> int:
+    """The model's size once dequantized to BF16 (2 bytes per weight), from its parts' readers."""
+    return sum(2 * int(t.n_elements) for r in parts for t in r.tensors)
 
 
-def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too: bool = True) -> None:
+def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too: bool = True,
+            fits: Callable[[int], None] | None = None) -> None:
     """Write the HF-style folder for the GGUF file `paths` (a split file's parts, in order): config.json
     and the tokenizer, and with `tensors` the weights dequantized to bf16 safetensors. A model whose
     GGUF is read directly (`load_quantized`) needs only the first two: seconds, not a bf16 copy.
-    metadata_too False: add the tensors to a folder whose config and tokenizer are current."""
-    parts = readers(paths)
+    metadata_too False: add the tensors to a folder whose config and tokenizer are current. `fits`
+    gets the bf16 bytes before any tensor is written (it raises where they do not fit)."""
+    parts = readers(paths)  # once: reading a vocabulary of 10^5 tokens from the header takes seconds
+    if tensors and fits:
+        fits(bf16_bytes(parts))
     meta = metadata(parts[0])
     arch = architecture(meta, paths[0])
     tmp = folder.with_name(folder.name + ".tmp")
@@ -119,7 +124,7 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
         config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
         (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
                                                      "margingate_import_version": IMPORT_VERSION}, indent=2))
-        save_tokenizer(paths[0], tmp)
+        save_tokenizer(paths[0], tmp, parts[0])
     if folder.exists() and not metadata_too:
         for f in tmp.iterdir():
             f.replace(folder / f.name)
@@ -254,13 +259,14 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
     return ids[0] if len(ids) == 1 else ids
 
 
-def save_tokenizer(gguf_path: Path, out: Path) -> None:
-    """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template)."""
+def save_tokenizer(gguf_path: Path, out: Path, reader) -> None:
+    """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template); `reader`:
+    the file's, already read."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
-        field = readers([gguf_path])[0].fields.get("tokenizer.chat_template")
+        field = reader.fields.get("tokenizer.chat_template")
         if field is not None:  # none: a base model, prompted as text (tokenizer.py)
             tok.chat_template = field.contents()
     tok.save_pretrained(str(out))

@@ -120,9 +120,8 @@ def _converted(folder: Path, tensors: bool) -> bool:
 
 
 def _convert(parts: list[Path], folder: Path, tensors: bool) -> None:
-    if tensors:
-        check_fits(gguf_import.bf16_bytes(parts), f"{parts[0].name} in bf16")
-    gguf_import.convert(parts, folder, tensors, metadata_too=not _converted(folder, tensors=False))
+    gguf_import.convert(parts, folder, tensors, metadata_too=not _converted(folder, tensors=False),
+                        fits=lambda needed: check_fits(needed, f"{parts[0].name} in bf16"))
 
 
 # --- memory -------------------------------------------------------------------
