@@ -64,16 +64,18 @@ def test_every_type_dequantizes_to_the_loaders_bf16_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("m", [1, 3, 16, 37, 200])
 def test_the_linear_over_quantized_panels_equals_the_bf16_linear_on_every_path(m):
-    """A fused matrix of three GGUF types (q|k|v of a Q4_K_M file mixes them), against the same
-    values packed as bf16, at every path this CPU runs, with and without a bias, bf16 and fp32 x."""
+    """A fused matrix of five GGUF types (q|k|v of a Q4_K_M file mixes three; 4-bit codes with and
+    without a zero point take their own dequantizing step), against the same values packed as bf16,
+    at every path this CPU runs, with and without a bias, bf16 and fp32 x."""
     parts = [quant_codes(random_tensor(t, n, 512, seed=i), t) for i, (t, n) in
-             enumerate([("Q4_K", 32), ("Q6_K", 16), ("Q5_0", 20)])]
+             enumerate([("Q4_0", 16), ("Q4_1", 16), ("Q4_K", 32), ("Q6_K", 16), ("Q5_0", 20)])]
     w = quant_weight(parts)
-    assert w.formats == ("q4_k", "q6_k", "q5_0") and w.shape == (68, 512)
+    assert w.formats == ("q4_0", "q4_1", "q4_k", "q6_k", "q5_0") and w.shape == (100, 512)
     dense = pack(torch.cat([p.bf16() for p in parts]))
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
-    bias = torch.randn(68, generator=g)
+    bias = torch.randn(100, generator=g)
+    assert not [p for p in K.linear_proofs() if p["status"] == "refused"]  # a refused path would drop out below
     before = K.linear_path()
     try:
         for path in K.linear_paths():

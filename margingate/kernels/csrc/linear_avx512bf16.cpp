@@ -236,18 +236,46 @@ class QuantPanel {
 
   // Pair row r (0-15) of the block as 32 bf16, in the packed layout (column l: even, odd).
   __m512i row(int64_t r) const {
-    const int64_t at = b_ * 16 + r, h = r >= 8 ? 1 : 0;
+    const int64_t at = b_ * 16 + r;
     __m128i b[2];
     code_bytes<Bits>(c_ + at * kRowBytes, Bits > 4 ? hi_ + at / kRun * 32 : nullptr, int((Bits - 4) * (r % kRun)), b);
+    return bf16x32(b, r >= 8);
+  }
+
+  // Pair rows 2s, 2s + 1 as the (even, odd) vectors of step s (`regroup`'s layout). 4-bit codes are
+  // split by nibble anyway, so their bytes are put in that layout before they are dequantized (the
+  // same values, moved before rather than after): no regrouping pass. Other widths regroup.
+  void step(int64_t s, __m512i& we, __m512i& wo) const {
+    if constexpr (Bits != 4) {
+      regroup(row(2 * s), row(2 * s + 1), we, wo);
+    } else {
+      const uint8_t* c = c_ + (b_ * 16 + 2 * s) * kRowBytes;
+      const __m128i m = _mm_set1_epi8(15), v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)),
+                    v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kRowBytes));
+      const __m128i e0 = _mm_and_si128(v0, m), e1 = _mm_and_si128(v1, m);
+      const __m128i o0 = _mm_and_si128(_mm_srli_epi16(v0, 4), m), o1 = _mm_and_si128(_mm_srli_epi16(v1, 4), m);
+      __m128i b[2] = {_mm_unpacklo_epi8(e1, e0), _mm_unpackhi_epi8(e1, e0)};  // lane c: (row 2s + 1, row 2s)
+      we = bf16x32(b, s >= 4);
+      b[0] = _mm_unpacklo_epi8(o1, o0), b[1] = _mm_unpackhi_epi8(o1, o0);
+      wo = bf16x32(b, s >= 4);
+    }
+  }
+
+ private:
+  // 32 codes (two halves of 16 bytes; byte 2c, 2c + 1 of half i: column 8i + c) as bf16, with the
+  // scales of group `high` (pair rows 8-15).
+  __m512i bf16x32(const __m128i b[2], bool high) const {
+    const int h = high ? 1 : 0;
     __m512 f[2];
     for (int i = 0; i < 2; ++i) {
-      f[i] = _mm512_mul_ps(s_[h][i], _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(b[i]), zero_)));
+      __m512i v = _mm512_cvtepi8_epi32(b[i]);
+      if (q_.zero) v = _mm512_sub_epi32(v, zero_);  // most formats have none
+      f[i] = _mm512_mul_ps(s_[h][i], _mm512_cvtepi32_ps(v));
       if constexpr (Offset) f[i] = _mm512_add_ps(f[i], o_[h][i]);
     }
     return (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
   }
 
- private:
   static constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
   const QuantPart& q_;
   const int64_t panel_, kp_;
@@ -263,9 +291,7 @@ template <int Bits, bool Offset>
 struct Dequantized {
   QuantPanel<Bits, Offset> panel;
   void begin(int64_t b) { panel.block(b); }
-  void step(int, int64_t, int64_t s, __m512i& we, __m512i& wo) const {
-    regroup(panel.row(2 * s), panel.row(2 * s + 1), we, wo);
-  }
+  void step(int, int64_t, int64_t s, __m512i& we, __m512i& wo) const { panel.step(s, we, wo); }
 };
 
 // Blocks [b0, b1) of one quantized panel, dequantized and regrouped straight into scratch (as
@@ -276,7 +302,7 @@ void dequant_slice(Panel& w, int64_t b0, int64_t b1, uint16_t* dst) {
     w.block(b);
     for (int64_t s = 0; s < 8; ++s, dst += kWords) {
       __m512i we, wo;
-      regroup(w.row(2 * s), w.row(2 * s + 1), we, wo);
+      w.step(s, we, wo);
       _mm512_storeu_si512(dst, we);
       _mm512_storeu_si512(dst + 2 * kPanel, wo);
     }
