@@ -185,19 +185,13 @@ template <int P>
 void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* scratch) {
   const int64_t c = (p - t.p0) * kPanel;
   SlicePrefetch next;
-  if (t.m <= MR) {  // one tile streams each panel whole: the hardware prefetchers follow it
-    Packed<P> w{{}, &next};
-    for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
-    return dp_last_tile<MR, P>(t, w, 0, c, t.m, b0, b1);
-  }
+  Packed<P> w{{}, &next};
+  for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
+  if (t.m <= MR) return dp_last_tile<MR, P>(t, w, 0, c, t.m, b0, b1);  // streams each panel whole
   if constexpr (P <= NR) {
     next.aim<P>(t, p, b0, b1);
-    if (t.m <= kRegisterRows) {
-      Packed<P> w{{}, &next};
-      for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
-      return all_tiles<P>(t, w, c, b0, b1);
-    }
-    for (int j = 0; j < P; ++j) regroup_slice(t.w + (p + j) * t.kp * kPanel, b0, b1, scratch + j * kPanelSlice);
+    if (t.m <= kRegisterRows) return all_tiles<P>(t, w, c, b0, b1);
+    for (int j = 0; j < P; ++j) regroup_slice(w.w[j], b0, b1, scratch + j * kPanelSlice);
     scratch_tiles<P>(t, c, b0, b1, scratch, next);
   }
 }

@@ -100,9 +100,13 @@ int64_t row_argmax(const float* x, int64_t v) {
         if (tv[l] > top || (tv[l] == top && ti[l] < at)) top = tv[l], at = ti[l];
     }
   }
-  for (int64_t first = j; j < v; ++j) {
+  if (j == 0) {  // a short row, or a NaN found above: plain scan from the first element
+    if (std::isnan(x[0])) return 0;
+    top = x[0], j = 1;
+  }
+  for (; j < v; ++j) {
     if (std::isnan(x[j])) return j;
-    if (x[j] > top || (j == first && first == 0)) top = x[j], at = j;
+    if (x[j] > top) top = x[j], at = j;
   }
   return at;
 }
