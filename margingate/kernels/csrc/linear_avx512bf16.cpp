@@ -196,10 +196,13 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
   }
 }
 
-// 16 columns' scales (or offsets) for the 16 lanes of half a pair row: columns [c, c + 8), each twice.
-inline __m512 dup8(const float* v, int64_t c) {
-  const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(v + c)));
+// 16 columns' d * s (s null: d) in fp32, as `times`, for the lanes of the two halves of a pair row:
+// columns 0-7, then 8-15, each twice.
+inline void times16(const uint16_t* d, const int8_t* s, __m512 out[2]) {
+  __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  if (s) v = _mm512_mul_ps(v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  out[0] = _mm512_permutexvar_ps(lo, v), out[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(8)), v);
 }
 
 // One panel of a quantized part, a block (32 k, 16 pair rows) at a time: quant.cpp's
@@ -209,20 +212,24 @@ template <int Bits, bool Offset>
 class QuantPanel {
  public:
   QuantPanel(const QuantPart& q, int64_t panel, int64_t kp)
-      : q_(q), panel_(panel), kp_(kp), zero_(_mm512_set1_epi32(q.zero)),
-        c_(q.codes + panel * (kp / 2) * kRowBytes), hi_(Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr) {}
+      : q_(q), zero_(_mm512_set1_epi32(q.zero)), c_(q.codes + panel * (kp / 2) * kRowBytes),
+        hi_(Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr), groups_(kBlock / q.group),
+        d_shift_(__builtin_ctzll(q.block / kBlock)) {  // the divisions once per panel, not per block
+    const int64_t at_d = panel * (kp / q.block) * 16, at_s = panel * (kp / q.group) * 16;
+    d_[0] = q.d + at_d, s_at_[0] = q.s ? q.s + at_s : nullptr;
+    d_[1] = Offset ? q.d_off + at_d : nullptr, s_at_[1] = q.s_off ? q.s_off + at_s : nullptr;
+  }
 
-  // The scales of block b: one group of 32 (pair rows 8-15 share it), or two of 16.
+  // The scales of block b: one group of 32 (pair rows 8-15 share it), or two of 16 (group_scales).
   void block(int64_t b) {
     b_ = b;
-    const int groups = q_.group == 16 ? 2 : 1;
-    for (int h = 0; h < groups; ++h) {
-      alignas(64) float scale[16], offset[16];
-      group_scales(q_, panel_, kp_, b * kBlock / q_.group + h, scale, offset);
-      s_[h][0] = dup8(scale, 0), s_[h][1] = dup8(scale, 8);
-      if constexpr (Offset) o_[h][0] = dup8(offset, 0), o_[h][1] = dup8(offset, 8);
+    const int64_t at_d = (b >> d_shift_) * 16;
+    for (int h = 0; h < groups_; ++h) {
+      const int64_t at_s = (b * groups_ + h) * 16;
+      times16(d_[0] + at_d, s_at_[0] ? s_at_[0] + at_s : nullptr, s_[h]);
+      if constexpr (Offset) times16(d_[1] + at_d, s_at_[1] ? s_at_[1] + at_s : nullptr, o_[h]);
     }
-    if (groups == 1) {
+    if (groups_ == 1) {
       s_[1][0] = s_[0][0], s_[1][1] = s_[0][1];
       if constexpr (Offset) o_[1][0] = o_[0][0], o_[1][1] = o_[0][1];
     }
@@ -237,21 +244,21 @@ class QuantPanel {
   }
 
   // Pair rows 2s, 2s + 1 as the (even, odd) vectors of step s (`regroup`'s layout). 4-bit codes are
-  // split by nibble anyway, so their bytes are put in that layout before they are dequantized (the
-  // same values, moved before rather than after): no regrouping pass. Other widths regroup.
+  // put in that layout as bytes (lane 2c: row 2s + 1's byte c, lane 2c + 1: row 2s's), widened to
+  // 32-bit lanes whose low nibble is the even code and bits 4-7 the odd one, and looked up: VPERMPS
+  // reads only the low 4 bits of each index, so no masking and no regrouping pass. Other widths regroup.
   void step(int64_t s, __m512i& we, __m512i& wo) const {
     if constexpr (Bits != 4) {
       regroup(row(2 * s), row(2 * s + 1), we, wo);
     } else {
       const uint8_t* c = c_ + (b_ * 16 + 2 * s) * kRowBytes;
-      const __m128i m = _mm_set1_epi8(15), v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)),
+      const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)),
                     v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kRowBytes));
-      const __m128i e0 = _mm_and_si128(v0, m), e1 = _mm_and_si128(v1, m);
-      const __m128i o0 = _mm_and_si128(_mm_srli_epi16(v0, 4), m), o1 = _mm_and_si128(_mm_srli_epi16(v1, 4), m);
-      __m128i b[2] = {_mm_unpacklo_epi8(e1, e0), _mm_unpackhi_epi8(e1, e0)};  // lane c: (row 2s + 1, row 2s)
-      we = bf16x32(b, s >= 4);
-      b[0] = _mm_unpacklo_epi8(o1, o0), b[1] = _mm_unpackhi_epi8(o1, o0);
-      wo = bf16x32(b, s >= 4);
+      const __m512i lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v1, v0)), hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(v1, v0));
+      const int h = s >= 4 ? 1 : 0;
+      we = scaled(_mm512_permutexvar_ps(lo, table_), _mm512_permutexvar_ps(hi, table_), h);
+      wo = scaled(_mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), table_),
+                  _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), table_), h);
     }
   }
 
@@ -259,23 +266,39 @@ class QuantPanel {
   // 32 codes (two halves of 16 bytes; byte 2c, 2c + 1 of half i: column 8i + c) as bf16, with the
   // scales of group `high` (pair rows 8-15).
   __m512i bf16x32(const __m128i b[2], bool high) const {
-    const int h = high ? 1 : 0;
     __m512 f[2];
     for (int i = 0; i < 2; ++i) {
       __m512i v = _mm512_cvtepi8_epi32(b[i]);
       if (q_.zero) v = _mm512_sub_epi32(v, zero_);  // most formats have none
-      f[i] = _mm512_mul_ps(s_[h][i], _mm512_cvtepi32_ps(v));
-      if constexpr (Offset) f[i] = _mm512_add_ps(f[i], o_[h][i]);
+      f[i] = _mm512_cvtepi32_ps(v);
     }
-    return (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    return scaled(f[0], f[1], high ? 1 : 0);
+  }
+
+  // Codes q - zero as fp32 (columns 0-7, then 8-15, each twice) to bf16 with group h's scales: scale *
+  // q [+ offset], rounded once to fp32 and once to bf16. The offset formats (Q4_1, Q5_1: an fp16
+  // times a 5-bit code; Q4_K, Q5_K: times a 6-bit scale too) have products of at most 22 bits, exact
+  // in fp32, so one FMA rounds as the multiply and add did. (No format has an offset and wider codes.)
+  __m512i scaled(__m512 f0, __m512 f1, int h) const {
+    if constexpr (Offset && Bits <= 5) {
+      f0 = _mm512_fmadd_ps(s_[h][0], f0, o_[h][0]), f1 = _mm512_fmadd_ps(s_[h][1], f1, o_[h][1]);
+    } else {
+      f0 = _mm512_mul_ps(s_[h][0], f0), f1 = _mm512_mul_ps(s_[h][1], f1);
+      if constexpr (Offset) f0 = _mm512_add_ps(f0, o_[h][0]), f1 = _mm512_add_ps(f1, o_[h][1]);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
 
   static constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
   const QuantPart& q_;
-  const int64_t panel_, kp_;
   const __m512i zero_;
+  const __m512 table_ = _mm512_sub_ps(  // q - zero for every 4-bit code q
+      _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(float(q_.zero)));
   const uint8_t* c_;
   const uint8_t* hi_;
+  const int groups_, d_shift_;  // groups per block of 32; log2 of the blocks per d
+  const uint16_t* d_[2];        // this panel's d and d_off
+  const int8_t* s_at_[2];       // its s and s_off, or null
   int64_t b_ = 0;
   __m512 s_[2][2], o_[2][2];
 };
