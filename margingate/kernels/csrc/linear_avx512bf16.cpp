@@ -212,7 +212,7 @@ template <int Bits, bool Offset>
 class QuantPanel {
  public:
   QuantPanel(const QuantPart& q, int64_t panel, int64_t kp)
-      : q_(q), zero_(_mm512_set1_epi32(q.zero)), c_(q.codes + panel * (kp / 2) * kRowBytes),
+      : q_(q), zero_(_mm_set1_epi8(int8_t(q.zero))), c_(q.codes + panel * (kp / 2) * kRowBytes),
         hi_(Bits > 4 ? q.high + panel * (kp / 2 / kRun) * 32 : nullptr), groups_(kBlock / q.group),
         d_shift_(__builtin_ctzll(q.block / kBlock)) {  // the divisions once per panel, not per block
     const int64_t at_d = panel * (kp / q.block) * 16, at_s = panel * (kp / q.group) * 16;
@@ -237,9 +237,8 @@ class QuantPanel {
 
   // Pair row r (0-15) of the block as 32 bf16, in the packed layout (column l: even, odd).
   __m512i row(int64_t r) const {
-    const int64_t at = b_ * 16 + r;
     __m128i b[2];
-    code_bytes<Bits>(c_ + at * kRowBytes, Bits > 4 ? hi_ + at / kRun * 32 : nullptr, int((Bits - 4) * (r % kRun)), b);
+    codes(r, b);
     return bf16x32(b, r >= 8);
   }
 
@@ -266,13 +265,14 @@ class QuantPanel {
   // 32 codes (two halves of 16 bytes; byte 2c, 2c + 1 of half i: column 8i + c) as bf16, with the
   // scales of group `high` (pair rows 8-15).
   __m512i bf16x32(const __m128i b[2], bool high) const {
-    __m512 f[2];
-    for (int i = 0; i < 2; ++i) {
-      __m512i v = _mm512_cvtepi8_epi32(b[i]);
-      if (q_.zero) v = _mm512_sub_epi32(v, zero_);  // most formats have none
-      f[i] = _mm512_cvtepi32_ps(v);
-    }
-    return scaled(f[0], f[1], high ? 1 : 0);
+    return scaled(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b[0])), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b[1])), high ? 1 : 0);
+  }
+
+  // Pair row r's codes minus the zero point, as signed bytes (every format's fit) in code_bytes' order.
+  void codes(int64_t r, __m128i b[2]) const {
+    const int64_t at = b_ * 16 + r;
+    code_bytes<Bits>(c_ + at * kRowBytes, Bits > 4 ? hi_ + at / kRun * 32 : nullptr, int((Bits - 4) * (r % kRun)), b);
+    if (q_.zero) b[0] = _mm_sub_epi8(b[0], zero_), b[1] = _mm_sub_epi8(b[1], zero_);  // most formats have none
   }
 
   // Codes q - zero as fp32 (columns 0-7, then 8-15, each twice) to bf16 with group h's scales: scale *
@@ -291,7 +291,7 @@ class QuantPanel {
 
   static constexpr int64_t kRowBytes = Bits == 8 ? 32 : 16, kRun = high_run(Bits);
   const QuantPart& q_;
-  const __m512i zero_;
+  const __m128i zero_;
   const __m512 table_ = _mm512_sub_ps(  // q - zero for every 4-bit code q
       _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(float(q_.zero)));
   const uint8_t* c_;
