@@ -13,3 +13,5 @@ B1=(--batch-sizes 1 --max-new-tokens 32 --repeats 1 --warmup 1 --policies fast,b
 .venv/bin/margingate bench "${B1[@]}" --limit 4 --out $O/smollm2-q4_1-b1
 .venv/bin/margingate bench --model "$MARGINGATE_CACHE/random-1b.q8_0.gguf" "${B1[@]}" --limit 4 --out $O/1b-q8_0-b1
 .venv/bin/margingate bench --model "$MARGINGATE_CACHE/random-8b.q4_k_m.gguf" "${B1[@]/32/16}" --limit 2 --out $O/8b-q4_k_m-b1
+# The 1B Q4_K_M kept quantized and dequantized give the same tokens (q4km_digest.txt)
+.venv/bin/python results/bench-v8/q4km_digest.py "$MARGINGATE_CACHE/random-1b.q4_k_m.gguf" > $O/q4km_digest.txt
