@@ -7,17 +7,9 @@
 # minutes on 2 cores.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-export MARGINGATE_CACHE="${MARGINGATE_CACHE:-$PWD/.cache}"
 O=results/check/kernels-v10
-run() {  # name, then check's arguments
-  local name=$1; shift
-  grep -q 'token ids sha256' $O/$name.txt 2>/dev/null || \
-    .venv/bin/margingate check --modes hetero,staggered --batch-sizes 4,16 --out $O/$name.json "$@" > $O/$name.txt 2>/dev/null
-  echo "$name: $(grep -o 'token ids sha256 [0-9a-f]*' $O/$name.txt) $(grep '^  all' $O/$name.txt | awk '{print $3}')"
-}
-for weights in auto; do
-  for p in reference batch-invariant margin dvr; do
-    run $p-$weights-threads-default --policy $p --weights $weights
-    run $p-$weights-threads-1 --policy $p --weights $weights --threads 1
-  done
+. results/check/run_check.sh
+for p in reference batch-invariant margin dvr; do
+  run $p-auto-threads-default --policy $p --weights auto
+  run $p-auto-threads-1 --policy $p --weights auto --threads 1
 done

@@ -5,14 +5,8 @@
 # kernels v6's (../run-v6.sh): 4453dc1065a249fb. A finished run is kept; about 24 minutes on 2 cores.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-export MARGINGATE_CACHE="${MARGINGATE_CACHE:-$PWD/.cache}"
 O=results/check/kernels-v8
-run() {  # name, then check's arguments
-  local name=$1; shift
-  grep -q 'token ids sha256' $O/$name.txt 2>/dev/null || \
-    .venv/bin/margingate check --modes hetero,staggered --batch-sizes 4,16 --out $O/$name.json "$@" > $O/$name.txt 2>/dev/null
-  echo "$name: $(grep -o 'token ids sha256 [0-9a-f]*' $O/$name.txt) $(grep '^  all' $O/$name.txt | awk '{print $3}')"
-}
+. results/check/run_check.sh
 for p in reference batch-invariant margin dvr; do run $p-threads-default --policy $p; done
 for p in reference batch-invariant margin dvr; do
   run $p-threads-1 --policy $p --threads 1
