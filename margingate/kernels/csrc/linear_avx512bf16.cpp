@@ -16,6 +16,7 @@
 // slice stay in L2 while its panels pass; then NR panels, whose slice stays in L1 while the row
 // tiles pass (the next panels' slice fetched meanwhile); then MR x NR register tiles. A task of one
 // row tile has no slices: it reads each weight once, so its panels stream whole.
+// A register tile's sums stay in registers over its blocks: acc + (e + o) per block, stored once.
 #pragma GCC target("avx512f,avx512bw,avx512bf16,f16c")
 #include "contract.h"
 #include "isa.h"
@@ -121,6 +122,9 @@ struct Regrouped {
 // the odd one (lo = x[4j + 3], hi = x[4j + 1]).
 template <int R, int P, class W>
 void dp_tile(const uint16_t* xt, W& w, float* acc, int64_t ldacc, int64_t b0, int64_t b1) {
+  __m512 a[R][P];  // the tile's acc, held over the blocks (a load and a store per block: 1.06-1.12x at >= 16 rows)
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < P; ++j) a[i][j] = _mm512_loadu_ps(acc + i * ldacc + j * kPanel);
   for (int64_t b = b0; b < b1; ++b) {
     __m512 e[R][P], o[R][P];
     for (int i = 0; i < R; ++i)
@@ -143,11 +147,10 @@ void dp_tile(const uint16_t* xt, W& w, float* acc, int64_t ldacc, int64_t b0, in
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int j = 0; j < P; ++j) {  // acc = acc + (e + o)
-        float* a = acc + i * ldacc + j * kPanel;
-        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(e[i][j], o[i][j])));
-      }
+      for (int j = 0; j < P; ++j) a[i][j] = _mm512_add_ps(a[i][j], _mm512_add_ps(e[i][j], o[i][j]));  // acc + (e + o)
   }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < P; ++j) _mm512_storeu_ps(acc + i * ldacc + j * kPanel, a[i][j]);
 }
 
 // The rows [i, i + left) of the task as one tile of exactly `left` (<= R) rows.
@@ -187,7 +190,8 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
   SlicePrefetch next;
   Packed<P> w{{}, &next};
   for (int j = 0; j < P; ++j) w.w[j] = t.w + (p + j) * t.kp * kPanel;
-  if (t.m <= MR) return dp_last_tile<MR, P>(t, w, 0, c, t.m, b0, b1);  // streams each panel whole
+  constexpr int kMost = P > NR ? 2 : MR;  // kWide panels come with at most 2 rows: no wider tile is built
+  if (t.m <= MR) return dp_last_tile<kMost, P>(t, w, 0, c, t.m, b0, b1);  // streams each panel whole
   if constexpr (P <= NR) {
     next.aim<P>(t, p, b0, b1);
     if (t.m <= kRegisterRows) return all_tiles<P>(t, w, c, b0, b1);
