@@ -79,7 +79,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(on CPU: the CUDA path under Triton's interpreter, TRITON_INTERPRET=1; slow, for dry runs)")
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="auto: a GGUF's quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay "
-                        "quantized, the same tokens and logprobs as bf16 at the file's size; bf16: dequantize all")
+                        "quantized, run with int8 activations and exact integer sums (one float order on every "
+                        "CPU); exact: kept quantized, the tokens and logprobs of bf16 at the file's size; "
+                        "bf16: dequantize all")
     add_quantize_arg(p, "at load, as `margingate export --quantize` writes them: the same tokens and logprobs")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: all cores; the tokens do not depend on it)")

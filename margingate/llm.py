@@ -21,7 +21,7 @@ from .models.named import DEFAULT_MODEL
 from .models.quantize import check_source, quantize_state
 from .models.tokenizer import Tokenizer
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
-from .options.weights import check_weights
+from .options.weights import QUANT_CONTRACT, check_weights
 from .policies import Policy, build
 from .profiles import load_profile
 from .scoring import Score, score_pairs
@@ -66,7 +66,7 @@ class LLM:
         check_weights(weights, quantize)
         check_source(model, quantize)
         invariant.ops()  # build (or load) the invariant kernels now: a machine that cannot fails here, loudly
-        # a GGUF read directly (weights "auto") needs only its config and tokenizer converted
+        # a GGUF read directly (weights "auto" or "exact") needs only its config and tokenizer converted
         self.folder = resolve_model_dir(model, tensors=weights == "bf16" or gguf_parts(model) is None)
         self.model_name = model
         self.quantize = quantize  # recorded: a folder quantized at load has other bits than the folder
@@ -84,13 +84,16 @@ class LLM:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
 
     def _state(self, model: str, weights: str, quantize: str | None):
-        """The model's tensors. weights "auto": a GGUF's quantized matrices stay quantized (the same
-        tokens and logprobs as "bf16", at the file's size); "bf16": every weight dequantized to bf16.
+        """The model's tensors. weights "auto": a GGUF's quantized matrices stay quantized, under the
+        integer-exact contract (int8 activations, exact integer sums); "exact": they stay quantized and
+        give the tokens and logprobs of "bf16" at the file's size; "bf16": every weight dequantized.
         quantize "q8_0" or "q4_k": a bf16 source's matrices quantized at load (models/quantize.py), the
-        tokens and logprobs of its `margingate export --quantize` GGUF."""
+        tokens and logprobs of its `margingate export --quantize` GGUF under the same --weights."""
+        contract = QUANT_CONTRACT.get(weights)
         if quantize is not None:
-            return quantize_state(load_state_dict(self.folder), self.config, quantize, keep=weights == "auto")
-        return load_state_dict(self.folder, gguf=gguf_parts(model) if weights == "auto" else None)
+            return quantize_state(load_state_dict(self.folder), self.config, quantize, contract=contract)
+        gguf = gguf_parts(model) if contract else None
+        return load_state_dict(self.folder, gguf=gguf, contract=contract or "int8")
 
     def weights_folder(self) -> Path:
         """The model's folder with its tensors (bf16 safetensors), converted from its GGUF if they are not

@@ -132,18 +132,18 @@ def test_q8_0_blocks_are_gguf_pys_and_a_matrix_falls_back_by_its_rows():
 
 def test_the_state_holds_each_matrix_as_its_block_type_and_says_whether_to_keep_them(model_dir):
     """Only the matrices are quantized (lazily: nothing is quantized until the model is built); the norms
-    stay as they are; keep=False (--weights bf16) asks the build for their dequantized values."""
+    stay as they are; contract=None (--weights bf16) asks the build for their dequantized values."""
     from margingate.models.loader import load_config, load_state_dict
     from margingate.models.quantize import QuantizedMatrix, quantize_state
     from margingate.models.weights import matrix_names
 
     state = load_state_dict(model_dir)
-    quantized = quantize_state(state, load_config(model_dir), "q4_k", keep=False)
+    quantized = quantize_state(state, load_config(model_dir), "q4_k", contract=None)
     kinds = {n: t.type_name for n, t in quantized.items() if isinstance(t, QuantizedMatrix)}
     assert set(kinds) == set(matrix_names(load_config(model_dir))) and len(kinds) == 1 + 30 * 7
     assert {n for n, k in kinds.items() if k == "Q4_K"} == {f"model.layers.{i}.mlp.down_proj.weight" for i in range(30)}
     assert quantized["model.norm.weight"] is state["model.norm.weight"]
-    assert not quantized.keep_quantized and quantized.source == state.source
+    assert quantized.contract is None and quantized.source == state.source
 
 
 # --- bad requests ---------------------------------------------------------------------------------

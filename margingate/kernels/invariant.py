@@ -133,15 +133,29 @@ def _has_ninja_module() -> bool:
 
 
 def linear(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + b for x [M, K] (bf16 or fp32), W packed or kept quantized (the same bits as its bf16
-    values packed); fp32 accumulation in the contract's order, result in x's dtype. With fp32 x the
-    products use the bf16 weights upcast (exactly)."""
+    """x @ W.T + b for x [M, K] (bf16 or fp32), W packed or kept quantized; result in x's dtype. Packed, or
+    quantized under "exact": fp32 accumulation in the bf16 order (contract.h, 1; with fp32 x the products
+    use the bf16 weights upcast, exactly). Quantized under "int8": x's rows quantized to int8 by the row
+    alone, exact integer sums, one float epilogue (contract.h, 5)."""
     return ops().linear(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
 
 
 def linear_reference(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` one scalar FMA at a time, as csrc/contract.h states the order: what every path equals."""
     return ops().linear_reference(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
+
+
+def int8_proof() -> dict:
+    """The int8 linear path's load-time proof against the scalar reference: {path, status, detail}."""
+    path, status, detail = ops().int8_proof()
+    return {"path": path, "status": status, "detail": detail}
+
+
+def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's rows [M, K] as the int8 contract quantizes them (contract.h, 5a), K padded with zeros to a
+    multiple of `block`: q [M, Kp] int8, scale [M, Kp / block] fp32, sum16 [M, Kp / 16] int32."""
+    q, scale, sum16 = ops().quantize_rows_int8(x.contiguous(), block)
+    return q, scale, sum16
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -17,6 +17,13 @@ hold two GGUF types):
     high (5 and 6 bits): the bits above 4 [panels, k / 2 / R, 16, 2], R = 8 / (bits - 4) pair rows
     per byte, pair row r of a run at bit (bits - 4) * r.
     d, d_off: fp16 [panels, k / block, 16]; s, s_off: int8 [panels, k / group, 16].
+
+A matrix under the integer-exact contract (`contract="int8"`, csrc/contract.h, 5; magic "MGI8") has the
+same header and scales; only its codes are ordered for integer dot products, by quads of 4 k. Per
+panel and quad, code i = 4 * column + (k % 4) for columns 0..15 (i in 0..63):
+    codes: 4 to 6 bits: 32 bytes, byte i % 32's nibble i // 32 (low, then high) holds code i's low
+    4 bits; 8 bits: 64 signed bytes, byte i.
+    high: 5 bits: 8 bytes, bit i // 8 of byte i % 8; 6 bits: 16 bytes, bits 2 (i // 16) of byte i % 16.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ import torch
 from .packing import PANEL, PackedWeight
 
 MAGIC, ALIGN, PART_WORDS = 0x3251474D, 64, 12
+MAGIC_INT8 = 0x3849474D  # "MGI8"
+CONTRACTS = ("exact", "int8")  # bf16 bits of the dequantized weight | the integer-exact contract
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class QuantWeight:
     n: int
     k: int
     formats: tuple[str, ...]  # each part's GGUF type
+    contract: str = "exact"   # one of CONTRACTS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,14 +103,20 @@ def panelable(parts: list[QuantCodes]) -> bool:
         all(p.codes.shape[0] % PANEL == 0 for p in parts[:-1])
 
 
-def quant_weight(parts: list[QuantCodes]) -> QuantWeight:
-    """The runs of rows `parts`, in order, as one quantized matrix (check `panelable` first)."""
+def quant_weight(parts: list[QuantCodes], contract: str = "exact") -> QuantWeight:
+    """The runs of rows `parts`, in order, as one quantized matrix (check `panelable` first), for the
+    contract `contract`: "exact" (its bf16 values reduced in the bf16 order) or "int8" (int8
+    activations, exact integer sums: csrc/contract.h, 5)."""
     if not panelable(parts):
         raise ValueError("quantized rows that do not fill whole panels, or of different widths")
+    if contract not in CONTRACTS:
+        raise ValueError(f"quantized contract must be one of {', '.join(CONTRACTS)}; got {contract!r}")
     n, k = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
     arrays = [_panels(p) for p in parts]
+    if contract == "int8":
+        arrays = [[_quads(p.bits, a[0], a[1]), *_quads_high(p.bits, a[0], a[1]), *a[2:]] for p, a in zip(parts, arrays)]
     at = _up(8 * (4 + PART_WORDS * len(parts)))
-    head = [MAGIC, n, k, len(parts)]
+    head = [MAGIC if contract == "exact" else MAGIC_INT8, n, k, len(parts)]
     for p, fields in zip(parts, arrays):
         places = []
         for a in fields:
@@ -113,7 +129,7 @@ def quant_weight(parts: list[QuantCodes]) -> QuantWeight:
         for place, a in zip(head[4 + PART_WORDS * i + 5:], fields):
             if a is not None:
                 blob[place:place + a.nbytes] = a.reshape(-1).view(np.uint8)
-    return QuantWeight(torch.from_numpy(blob), n, k, tuple(p.format for p in parts))
+    return QuantWeight(torch.from_numpy(blob), n, k, tuple(p.format for p in parts), contract)
 
 
 def _up(v: int) -> int:
@@ -141,3 +157,38 @@ def _panels(p: QuantCodes) -> list[np.ndarray | None]:
     fields = [low.astype(np.uint8) if p.bits != 8 else low, high, by_panel(p.d), by_panel(p.s),
               by_panel(p.d_off), by_panel(p.s_off)]
     return [None if a is None else np.ascontiguousarray(a) for a in fields]
+
+
+def _codes_by_quad(bits: int, low: np.ndarray, high: np.ndarray | None) -> np.ndarray:
+    """The full codes of `_panels`' arrays as [panels, k / 4, 64] (int16), code i = 4 * column + k % 4."""
+    if bits == 8:
+        pairs = low.astype(np.int16)                                   # [panels, k / 2, 16, 2]
+    else:
+        pairs = np.stack([low & 15, low >> 4], axis=-1).astype(np.int16)
+        if high is not None:
+            width, panels = bits - 4, low.shape[0]
+            runs = high.reshape(panels, -1, 1, PANEL, 2)
+            shifts = (width * np.arange(8 // width)).reshape(1, 1, -1, 1, 1)
+            pairs |= (((runs >> shifts) & ((1 << width) - 1)).reshape(pairs.shape) << 4).astype(np.int16)
+    panels, half = pairs.shape[:2]
+    quads = pairs.reshape(panels, half // 2, 2, PANEL, 2).transpose(0, 1, 3, 2, 4)  # [panels, k/4, 16, 4]
+    return quads.reshape(panels, half // 2, 4 * PANEL)
+
+
+def _quads(bits: int, low: np.ndarray, high: np.ndarray | None) -> np.ndarray:
+    """The int8 contract's code bytes (module docstring): nibbles of codes i and 32 + i, or signed bytes."""
+    c = _codes_by_quad(bits, low, high)
+    if bits == 8:
+        return c.astype(np.int8)
+    return ((c[..., :32] & 15) | ((c[..., 32:] & 15) << 4)).astype(np.uint8)
+
+
+def _quads_high(bits: int, low: np.ndarray, high: np.ndarray | None) -> list[np.ndarray | None]:
+    """The int8 contract's high bits (module docstring), as a one-item list (None below 5 bits)."""
+    if bits not in (5, 6):
+        return [None]
+    c = _codes_by_quad(bits, low, high) >> 4
+    width, lanes = bits - 4, 8 if bits == 5 else 16
+    fields = c.reshape(*c.shape[:2], 64 // lanes, lanes)          # field f of byte b: code f * lanes + b
+    shifts = (width * np.arange(64 // lanes)).reshape(1, 1, -1, 1)
+    return [(fields << shifts).sum(axis=2).astype(np.uint8)]

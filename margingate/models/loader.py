@@ -163,14 +163,16 @@ def load_config(folder: Path) -> ModelConfig:
 
 class Checkpoint(dict):
     """Tensors by their Hugging Face names, and the folder they came from (named in loading errors).
-    keep_quantized=False: the model dequantizes its quantized matrices (`weights.build`)."""
+    contract: how the model keeps its quantized matrices (`weights.build`): "int8" (the integer-exact
+    contract), "exact" (their bf16 values' bits), or None (dequantized to bf16)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: str, keep_quantized: bool = True):
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str, contract: str | None = "int8"):
         super().__init__(tensors)
-        self.source, self.keep_quantized = source, keep_quantized
+        self.source, self.contract = source, contract
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: list[Path] | None = None) -> Checkpoint:
+def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: list[Path] | None = None,
+                    contract: str = "int8") -> Checkpoint:
     """Every tensor of the folder's *.safetensors, in `dtype`; which of them the model needs is
     decided by the name map (`models/weights.py`) when the model is built. Tensors already in
     `dtype` are memory-mapped views of their files, not copies: the model's packed weights are
@@ -179,7 +181,7 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: lis
     if gguf is not None:
         check_fits(sum(p.stat().st_size for p in gguf), f"the weights of {gguf[0]}")
         config = json.loads((folder / "config.json").read_text())
-        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]))
+        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]), contract=contract)
     files = sorted(folder.glob("*.safetensors"))
     check_fits(sum(f.stat().st_size for f in files) * dtype.itemsize // 2, f"the weights of {folder}")
     state = Checkpoint({}, source=str(folder))

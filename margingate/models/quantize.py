@@ -91,10 +91,11 @@ class QuantizedMatrix(QuantMatrix):
         return quant_codes(self.blocks(), self.type_name, self.name)
 
 
-def quantize_state(state: Checkpoint, config: ModelConfig, quantize: str, keep: bool = True) -> Checkpoint:
+def quantize_state(state: Checkpoint, config: ModelConfig, quantize: str, contract: str | None = "int8") -> Checkpoint:
     """`state` with each of the model's matrices a QuantizedMatrix of its block type (the others as they
-    are). keep=False: the model dequantizes them at build (--weights bf16: the same values in bf16)."""
-    out = Checkpoint(dict(state), state.source, keep_quantized=keep)
+    are), kept under `contract` ("int8" or "exact"); None: the model dequantizes them at build
+    (--weights bf16: the same values in bf16)."""
+    out = Checkpoint(dict(state), state.source, contract=contract)
     for name in matrix_names(config):
         kind = block_type(state[name].shape[-1], quantize) if name in state else None  # missing: check names it
         if kind is not None:

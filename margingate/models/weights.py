@@ -184,8 +184,8 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     `ModelWeights.to`)."""
     pack_ = pack if packed else (lambda t: t)
     names = check(config, state, source)
-    # a Checkpoint may ask for its quantized matrices dequantized (quantize.quantize_state, --weights bf16)
-    keep_quantized = packed and device.type == "cpu" and getattr(state, "keep_quantized", True)
+    # a Checkpoint says how to keep its quantized matrices, or asks for them dequantized (--weights bf16)
+    contract = getattr(state, "contract", "int8") if packed and device.type == "cpu" else None
 
     def get(key: str) -> Matrix | None:
         if key not in names:
@@ -193,8 +193,8 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         parts = [state[n] for n in names[key]]
         if any(isinstance(p, QuantMatrix) for p in parts):  # a GGUF's, or one quantized at load
             codes = [p.codes() if isinstance(p, QuantMatrix) else None for p in parts]
-            if keep_quantized and _is_matrix(key) and all(codes) and panelable(codes):
-                return quant_weight(codes)
+            if contract and _is_matrix(key) and all(codes) and panelable(codes):
+                return quant_weight(codes, contract)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
         return pack_(t) if key.rsplit(".", 1)[-1] in MATRICES else t

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from ..errors import OptionError
 
-#: auto: a GGUF's quantized matrices stay quantized; bf16: every weight dequantized to bf16
-WEIGHTS = ("auto", "bf16")
+#: auto: a GGUF's quantized matrices stay quantized under the integer-exact contract (int8 activations,
+#: exact integer sums: csrc/contract.h, 5); exact: they stay quantized and give the bits of their bf16
+#: values (contract.h, 1); bf16: every weight dequantized to bf16
+WEIGHTS = ("auto", "exact", "bf16")
+#: the contract a kept-quantized matrix runs under, by --weights (kernels/quant_pack.CONTRACTS)
+QUANT_CONTRACT = {"auto": "int8", "exact": "exact"}
 #: the GGUF block types a bf16 source (a Hugging Face folder) is quantized to at load (models/quantize.py)
 QUANTIZE = ("q8_0", "q4_k")
 

@@ -51,7 +51,23 @@ struct QuantPart {
   const int8_t* s_off;
   int64_t panels, group, block;
   int bits, zero;
+  bool int8 = false;      // the integer-exact contract's code order (contract.h, 5), else the bf16 one's
 };
+
+// Rows of x under the integer-exact contract (contract.h, 5), quantized by linear_int8.cpp for one
+// activation block size: q [m][kp] int8 in [-127, 127], scale [m][kp / block] fp32 (the block's
+// amax / 127), sum16 [m][kp / 16] int32 (each 16 q's sum, for the formats' zero points and offsets).
+struct Int8Rows {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* sum16;
+  int64_t m, kp, block;
+};
+
+// Panel `panel` of part q against every row of x, added into acc (16 columns from acc's column 0, row
+// stride ldacc), under FTZ | DAZ set by the caller; x.block == q.block. The same bits on every path.
+void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);
+void linear_int8_scalar(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);
 
 // One panel of a part, all kp k, into the packed bf16 layout [kp / 2][16][2]; the same bits on every ISA.
 void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);        // quant.cpp

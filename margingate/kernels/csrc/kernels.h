@@ -43,6 +43,7 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
 struct QuantMatrix {
   int64_t n, k, panels;
   std::vector<QuantPart> parts;
+  bool int8 = false;  // the integer-exact contract (magic "MGI8"; contract.h, 5), else the bf16 one
   std::pair<const QuantPart*, int64_t> locate(int64_t panel) const;  // its part, and its place there
 };
 bool is_quantized(const at::Tensor& w);
@@ -52,6 +53,17 @@ void dequant_panel(Path p, const QuantMatrix& m, int64_t panel, uint16_t* dst); 
 bool run_quant_directly(Path p, const LinearTask& t, const QuantMatrix& m);  // linear_paths.cpp
 at::Tensor dequantize_packed(const at::Tensor& blob);  // [panels, k / 2, 16, 2] bf16, the reference
 at::Tensor dequantize_rows(const at::Tensor& blob, const at::Tensor& index);
+
+// linear_int8.cpp: the integer-exact contract (contract.h, 5) on the best proven path, or the scalar reference
+at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference);
+std::vector<std::string> int8_proof_report();  // name, status, detail
+std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block);  // q, scale, sum16
+// linear_proof.cpp: "" when run gives the int8 scalar reference's bits on the fixed cases, else the first difference
+std::string prove_int8(const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run);
+// linear.cpp: the bias as fp32 (empty: none), and bias plus the output rounding of acc's rows and columns
+std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n);
+void linear_epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
+                     int64_t rows, int64_t c0, int64_t c1);
 
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -80,6 +80,8 @@ at::Tensor lay_out(const at::Tensor& x, const Shape& s, Path path) {
   return out;
 }
 
+}  // namespace
+
 std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n) {
   if (!bias.has_value()) return {};
   check_cpu(*bias, "bias");
@@ -90,8 +92,8 @@ std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n) {
 
 // Bias (fp32, after the sum), then the output rounding, for rows [r0, r0 + rows) and columns
 // [c0, c1) of out; acc holds those rows from its row 0 and those columns from its column 0. Under FTZ | DAZ too.
-void epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
-              int64_t rows, int64_t c0, int64_t c1) {
+void linear_epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
+                     int64_t rows, int64_t c0, int64_t c1) {
   const int64_t n = out.size(1), w = c1 - c0;
   const float* b = bias.empty() ? nullptr : bias.data() + c0;
   for (int64_t i = 0; i < rows; ++i) {
@@ -111,6 +113,8 @@ void epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, a
     for (; j < w; ++j) o[j] = static_cast<bf16>(b ? a[j] + b[j] : a[j]);
   }
 }
+
+namespace {
 
 // The threads' split: jobs of `rows` rows x `panels` panels, each a block of output elements (never
 // a range of k, so no split changes a bit). A job's x rows stay in L2 while its panels stream past;
@@ -163,6 +167,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
   TORCH_CHECK(!(fp32_out && reads_bf16(path)), "linear: the ", path_name(path), " path takes bf16 x only");
   const std::vector<float> b = bias_fp32(bias, n);
   if (s.m == 0) return at::empty({0, n}, x.options());  // no rows (a forward whose rows choose nothing)
+  if (s.quant && s.quant->int8) return linear_int8(x, *s.quant, b, false);
   const bool bf16_rows = reads_bf16(path);
   const at::Tensor xl = lay_out(x, s, path);
   at::Tensor out = at::empty({s.m, n}, x.options());
@@ -184,7 +189,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
                          bf16_rows ? reinterpret_cast<const uint16_t*>(xr) : nullptr, rows, s.kp,
                          s.quant ? nullptr : u16(packed), p0, p1, acc.data(), ldacc};
       run_panels(path, t, s.quant ? &*s.quant : nullptr);
-      epilogue(acc.data(), ldacc, b, out, r0, rows, p0 * kPanel, std::min(p1 * kPanel, n));
+      linear_epilogue(acc.data(), ldacc, b, out, r0, rows, p0 * kPanel, std::min(p1 * kPanel, n));
     }
   });
   return out;
@@ -195,6 +200,7 @@ at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, i
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                             const c10::optional<at::Tensor>& bias, bool fp32_out) {
   const Shape s = check_linear(x, weight, n, fp32_out);
+  if (s.quant && s.quant->int8) return linear_int8(x, *s.quant, bias_fp32(bias, n), true);
   const at::Tensor packed = is_quantized(weight) ? dequantize_packed(weight) : weight;
   const std::vector<float> b = bias_fp32(bias, n);
   const at::Tensor xf = lay_out(x, s, Path::kAvx2);
@@ -220,7 +226,7 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight, int64
       }
       acc.data_ptr<float>()[i * n + j] = a;
     }
-  epilogue(acc.data_ptr<float>(), n, b, out, 0, s.m, 0, n);
+  linear_epilogue(acc.data_ptr<float>(), n, b, out, 0, s.m, 0, n);
   return out;
 }
 

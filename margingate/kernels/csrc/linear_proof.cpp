@@ -96,9 +96,9 @@ std::vector<int64_t> array_bytes(const Format& f, int64_t np, int64_t k) {
 }
 
 // Random bytes, except the fp16 d fields: finite values of either sign, subnormals among them.
-at::Tensor make_quant(Rng& r, const Case& c, int f) {
+at::Tensor make_quant(Rng& r, const Case& c, int f, int64_t magic = kQuantMagic) {
   const int64_t panels = (c.n + kPanel - 1) / kPanel, parts = panels > 1 ? 2 : 1;
-  std::vector<int64_t> head = {kQuantMagic, c.n, c.k, parts};
+  std::vector<int64_t> head = {magic, c.n, c.k, parts};
   int64_t at = round_up(8 * (4 + 12 * parts), 64);
   for (int64_t i = 0; i < parts; ++i) {
     const Format& fm = kFormats[(f + i) % 4];
@@ -165,6 +165,22 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
                                       linear_reference(x, w, c.n, c10::nullopt, fp32), c, fp32);
       if (!why.empty()) return "quantized weight, " + why;
     }
+  }
+  return "";
+}
+
+// The int8 path against the int8 scalar reference (contract.h, 5): every code layout, two parts of
+// different blocks in one matrix, rows with zeros, denormals and wide exponents, 1 to 200 rows.
+std::string prove_int8(const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run) {
+  const char* fault = std::getenv("MARGINGATE_PROOF_FAULT");
+  Rng r{0xD1B54A32D192ED03ull};
+  for (int f = 0; f < 4; ++f) {
+    const Case& c = kQuantCases[f];
+    const at::Tensor w = make_quant(r, c, f, kInt8Magic), x = make_x(r, c, false);
+    at::Tensor got = run(x, w, c.n);
+    if (fault && std::string(fault) == "int8-avx2") got.view(at::kShort)[0][0].bitwise_xor_(1);
+    const std::string why = compare(got, linear_reference(x, w, c.n, c10::nullopt, false), c, false);
+    if (!why.empty()) return "int8, " + why;
   }
   return "";
 }

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
+#include "int8_layout.h"
 #include "quant_codes.h"
 
 namespace mg {
@@ -20,6 +21,7 @@ float half(uint16_t bits) { return float(c10::Half(bits, c10::Half::from_bits())
 
 // Code (l, k = 2 pair + e) of a panel, scalar, zero point not yet taken.
 int code_at(const QuantPart& q, int64_t panel, int64_t pairs, int64_t pair, int64_t l, int e) {
+  if (q.int8) return int8_code(q, panel, 2 * pairs, 2 * pair + e, l);
   const int64_t at = (panel * pairs + pair) * kPanel + l;
   if (q.bits == 8) return int8_t(q.codes[at * 2 + e]);
   const uint8_t b = q.codes[at];
@@ -79,9 +81,10 @@ void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst
 }
 
 // One part's header words (panels, group, block, bits, zero, then where its arrays lie), checked.
-QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t* p, int64_t i) {
+QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t* p, int64_t i, bool int8) {
   const int64_t panels = p[0], group = p[1], block = p[2], bits = p[3], zero = p[4];
-  const bool high = bits == 5 || bits == 6, blocks = block % group == 0 && k % block == 0;
+  const bool high = bits == 5 || bits == 6;
+  const bool blocks = (group == 16 || group == 32) && block > 0 && block % group == 0 && k % block == 0;
   TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && blocks && (bits == 4 || high || bits == 8) &&
                   zero >= 0 && zero < (bits == 8 ? 1 : 1 << bits),
               "quantized weight: part ", i, " has a bad format");
@@ -97,7 +100,7 @@ QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t*
   auto at = [&](int a) { return p[5 + a] >= 0 ? base + p[5 + a] : nullptr; };
   return {at(0), at(1), reinterpret_cast<const uint16_t*>(at(2)), reinterpret_cast<const int8_t*>(at(3)),
           reinterpret_cast<const uint16_t*>(at(4)), reinterpret_cast<const int8_t*>(at(5)), panels, group, block,
-          int(bits), int(zero)};
+          int(bits), int(zero), int8};
 }
 
 }  // namespace
@@ -107,15 +110,15 @@ bool is_quantized(const at::Tensor& w) { return w.scalar_type() == at::kByte && 
 QuantMatrix quant_matrix(const at::Tensor& blob) {
   check_cpu(blob, "quantized weight");
   const int64_t size = blob.numel();
-  TORCH_CHECK(is_quantized(blob) && size >= kHead * 8 && words(blob)[0] == kQuantMagic,
+  TORCH_CHECK(is_quantized(blob) && size >= kHead * 8 && (words(blob)[0] == kQuantMagic || words(blob)[0] == kInt8Magic),
               "linear: not a quantized weight (kernels.quant_pack writes them)");
   const int64_t* h = words(blob);
-  QuantMatrix m{h[1], h[2], 0, {}};
+  QuantMatrix m{h[1], h[2], 0, {}, h[0] == kInt8Magic};
   TORCH_CHECK(m.n > 0 && m.k > 0 && m.k % kBlock == 0 && h[3] > 0 && size >= (kHead + h[3] * kPartWords) * 8,
               "quantized weight: bad header");
   const uint8_t* base = blob.data_ptr<uint8_t>();
   for (int64_t i = 0; i < h[3]; ++i) {
-    m.parts.push_back(read_part(base, size, m.k, h + kHead + i * kPartWords, i));
+    m.parts.push_back(read_part(base, size, m.k, h + kHead + i * kPartWords, i, m.int8));
     m.panels += m.parts.back().panels;
   }
   TORCH_CHECK(m.panels == (m.n + kPanel - 1) / kPanel, "quantized weight: ", m.panels, " panels for ", m.n, " rows");

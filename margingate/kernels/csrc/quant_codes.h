@@ -13,6 +13,7 @@ namespace mg {
 namespace {
 
 constexpr int64_t kQuantMagic = 0x3251474D;  // "MGQ2", the first header word (kernels/quant_pack.py)
+constexpr int64_t kInt8Magic = 0x3849474D;   // "MGI8": the same header, codes in int8_layout.h's order
 
 template <int Bits, bool Offset>
 struct QuantFormat {

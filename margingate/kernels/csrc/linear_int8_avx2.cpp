@@ -1,0 +1,121 @@
+// The integer-exact linear (contract.h, 5) on AVX2: 16 columns of a panel in two vectors of 8 lanes,
+// each 32-bit lane a column's 4 k against the row's 4 q broadcast; VPMADDUBSW then VPMADDWD by 1 give
+// exact int32 sums (int8_layout.h: the bounds). Group sums scale into block sums in int32, and the float
+// epilogue runs per block across the columns' lanes, never across k.
+#include "int8_layout.h"
+#include "quant_codes.h"
+
+namespace mg {
+namespace {
+
+constexpr int kRows = 4;  // rows per tile: 8 int32 accumulators, the codes, a broadcast and constants
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// A column's 4 codes times the row's 4 q, summed (exact). 8 bits: |code| against q with the code's sign.
+template <int Bits>
+inline __m256i dot4(__m256i w, __m256i w_abs, __m256i xb, __m256i ones) {
+  if constexpr (Bits == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w)), ones);
+  else return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones);
+}
+
+inline __m256i int8x8(const int8_t* p) {  // 8 int8 -> 8 int32
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The group's int32 sums `a` of R rows folded into the block sums: S += s * (a - zero * xsum), M += s_off * xsum.
+template <bool Offset, int R>
+inline void fold_group(const QuantPart& q, int64_t at_s, const int32_t* xsum, const __m256i (&a)[R][2],
+                       __m256i (&S)[R][2], __m256i (&M)[R][2]) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i s = q.s ? int8x8(q.s + at_s + 8 * h) : _mm256_set1_epi32(1);
+    const __m256i so = Offset && q.s_off ? int8x8(q.s_off + at_s + 8 * h) : _mm256_set1_epi32(1);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xs = _mm256_set1_epi32(xsum[r]);
+      const __m256i t = _mm256_sub_epi32(a[r][h], _mm256_set1_epi32(xsum[r] * q.zero));
+      S[r][h] = _mm256_add_epi32(S[r][h], _mm256_mullo_epi32(t, s));
+      if constexpr (Offset) M[r][h] = _mm256_add_epi32(M[r][h], _mm256_mullo_epi32(xs, so));
+    }
+  }
+}
+
+// acc = acc + float(S) * (scale * d) [then + float(M) * (scale * d_off)] for R rows, 16 columns.
+template <bool Offset, int R>
+inline void epilogue_block(const QuantPart& q, int64_t at_d, const float* scale, const __m256i (&S)[R][2],
+                           const __m256i (&M)[R][2], float* acc, int64_t ldacc) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.d + at_d + 8 * h)));
+    __m256 doff = d;
+    if constexpr (Offset) doff = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.d_off + at_d + 8 * h)));
+    for (int r = 0; r < R; ++r) {
+      float* a = acc + r * ldacc + 8 * h;
+      const __m256 sc = _mm256_set1_ps(scale[r]);
+      __m256 v = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(S[r][h]), _mm256_mul_ps(sc, d)));
+      if constexpr (Offset)
+        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(M[r][h]), _mm256_mul_ps(sc, doff)));
+      _mm256_storeu_ps(a, v);
+    }
+  }
+}
+
+// R rows from row r0 of x against one panel, every block.
+template <int Bits, bool Offset, int R>
+void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  const int64_t kp = x.kp, quads = q.group / 4, groups = q.block / q.group, blocks = kp / q.block;
+  const uint8_t* codes = q.codes + panel * (kp / 4) * kQuadBytes<Bits>;
+  const uint8_t* high = kHighBytes<Bits> ? q.high + panel * (kp / 4) * kHighBytes<Bits> : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i S[R][2], M[R][2];
+    for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = M[r][0] = M[r][1] = _mm256_setzero_si256();
+    for (int64_t g = b * groups; g < (b + 1) * groups; ++g) {
+      __m256i a[R][2];
+      for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+      for (int64_t qd = g * quads; qd < (g + 1) * quads; ++qd) {
+        __m256i lo, hi;
+        quad_codes<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr, lo, hi);
+        const __m256i lo_abs = Bits == 8 ? _mm256_abs_epi8(lo) : lo, hi_abs = Bits == 8 ? _mm256_abs_epi8(hi) : hi;
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = _mm256_set1_epi32(load4(x.q + (r0 + r) * kp + 4 * qd));
+          a[r][0] = _mm256_add_epi32(a[r][0], dot4<Bits>(lo, lo_abs, xb, ones));
+          a[r][1] = _mm256_add_epi32(a[r][1], dot4<Bits>(hi, hi_abs, xb, ones));
+        }
+      }
+      int32_t xsum[R];
+      for (int r = 0; r < R; ++r) {
+        const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * q.group / 16;
+        xsum[r] = q.group == 32 ? s16[0] + s16[1] : s16[0];
+      }
+      fold_group<Offset, R>(q, (panel * (kp / q.group) + g) * 16, xsum, a, S, M);
+    }
+    float scale[R];
+    for (int r = 0; r < R; ++r) scale[r] = x.scale[(r0 + r) * blocks + b];
+    epilogue_block<Offset, R>(q, (panel * blocks + b) * 16, scale, S, M, acc + r0 * ldacc, ldacc);
+  }
+}
+
+template <int Bits, bool Offset, int R>
+void tail(const Int8Rows& x, int64_t r0, int64_t left, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  if constexpr (R >= 1) {
+    if (left == R) tile<Bits, Offset, R>(x, r0, q, panel, acc, ldacc);
+    else tail<Bits, Offset, R - 1>(x, r0, left, q, panel, acc, ldacc);
+  }
+}
+
+}  // namespace
+
+void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  by_format(q, [&](auto f) {
+    constexpr int kBits = decltype(f)::kBits;
+    constexpr bool kOffset = decltype(f)::kOffset;
+    int64_t r = 0;
+    for (; r + kRows <= x.m; r += kRows) tile<kBits, kOffset, kRows>(x, r, q, panel, acc, ldacc);
+    if (r < x.m) tail<kBits, kOffset, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
+  });
+}
+
+}  // namespace mg
