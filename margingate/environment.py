@@ -20,7 +20,7 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
     import torch  # loaded with `llm` already; imported here so that the commands' --help loads none
 
     from .kernels import invariant
-    from .models.weights import weight_formats
+    from .models.weights import quantized_contract, weight_formats
     return {"model": llm.model_name, "model_fingerprint": llm.config.fingerprint(),
             "device": str(llm.model.device), "torch": torch.__version__,
             "num_threads": llm.engine.num_threads if num_threads is None else num_threads,
@@ -32,6 +32,10 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             # paths this CPU has that failed their load-time proof (csrc/linear_proof.cpp): {path: why}
             "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
             "weights": weight_formats(llm.model.own_weights),  # each matrix group's storage: bf16 or its GGUF types
+            # how kept-quantized matrices compute: "int8" (csrc/contract.h, 5), "exact" (their bf16 bits), None
+            "quantized_contract": quantized_contract(llm.model.own_weights),
+            "kernels_int8_path": invariant.int8_proof()["path"] if quantized_contract(llm.model.own_weights) == "int8"
+            else None,
             # --quantize: the matrices' values are the quantized ones even where they are then held as bf16
             "quantize": llm.quantize,
             "python": platform.python_version(), "packages": package_versions()}

@@ -207,28 +207,33 @@ def test_the_exported_file_holds_the_blocks_the_folder_runs(exported, model_dir)
 
 
 def test_a_folder_quantized_at_load_gives_its_exported_files_tokens_and_logprobs(exported, model_dir, llm, prompts):
-    """LLM(folder, quantize="q4_k"), LLM(its exported GGUF) kept quantized, and that GGUF at --weights
-    bf16: the same tokens and logprobs, bitwise (greedy, `reference`). Control: the unquantized model's
-    logprobs differ, so the comparison can fail."""
+    """LLM(folder, quantize="q4_k") and LLM(its exported GGUF), both under each quantized contract
+    (--weights auto: int8; exact), and that GGUF at --weights bf16: under one contract the same tokens and
+    logprobs, bitwise (greedy, `reference`), and exact equals bf16. Controls: the unquantized model's
+    logprobs differ, and so do int8's from exact's, so the comparisons can fail."""
     from margingate.llm import LLM
     from margingate.models import loader
     from margingate.options import SamplingParams
 
-    folder = LLM(str(model_dir), quantize="q4_k", max_batch_size=4)
+    folders = {w: LLM(str(model_dir), quantize="q4_k", max_batch_size=4, weights=w) for w in ("auto", "exact")}
     with pytest.MonkeyPatch.context() as mp:  # the GGUF's converted folder: in a temporary cache
         mp.setattr(loader, "cache_root", lambda: exported.parent / "cache")
-        file = LLM(str(exported), max_batch_size=4)
-        file_bf16 = LLM(str(exported), max_batch_size=4, weights="bf16")
-    assert folder.environment()["weights"] == file.environment()["weights"] == Q4_K_FORMATS
-    assert set(file_bf16.environment()["weights"].values()) == {"bf16"}
-    assert folder.environment()["quantize"] == "q4_k" and file.environment()["quantize"] is None
+        files = {w: LLM(str(exported), max_batch_size=4, weights=w) for w in ("auto", "exact", "bf16")}
+    for w in ("auto", "exact"):
+        assert folders[w].environment()["weights"] == files[w].environment()["weights"] == Q4_K_FORMATS
+        assert folders[w].environment()["quantized_contract"] == files[w].environment()["quantized_contract"]
+    assert set(files["bf16"].environment()["weights"].values()) == {"bf16"}
+    assert folders["auto"].environment()["quantize"] == "q4_k" and files["auto"].environment()["quantize"] is None
     chosen, params = [prompts[i] for i in (0, 12, 27)], SamplingParams(logprobs=2)
-    got = [m.generate(chosen, max_new_tokens=12, policy=m.policy("reference"), sampling=params)
-           for m in (folder, file, file_bf16, llm)]
-    for other in got[1:3]:
-        assert [c.token_ids for c in other] == [c.token_ids for c in got[0]]
-        assert [c.logprobs for c in other] == [c.logprobs for c in got[0]]
-    assert [c.logprobs for c in got[3]] != [c.logprobs for c in got[0]]
+
+    def run(m):
+        return [(c.token_ids, c.logprobs) for c in m.generate(chosen, max_new_tokens=12, policy=m.policy("reference"),
+                                                              sampling=params)]
+    exact, int8 = run(folders["exact"]), run(folders["auto"])
+    assert run(files["exact"]) == exact and run(files["bf16"]) == exact
+    assert run(files["auto"]) == int8
+    assert [lp for _, lp in int8] != [lp for _, lp in exact]
+    assert [lp for _, lp in run(llm)] != [lp for _, lp in exact]
 
 
 def test_a_run_of_the_folder_is_never_reused_for_it_quantized_at_load(model_dir):

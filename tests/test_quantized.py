@@ -4,7 +4,8 @@ Each supported GGUF type's element must dequantize to exactly the bf16 value the
 stores (gguf-py's fp32 dequantization, then one rounding), in Python (QuantCodes.bf16), in the C++
 reference and in each ISA's dequantizer; the linear over a quantized matrix must equal the linear
 over the same values packed as bf16, on every path this CPU runs; and the embedded model (Q4_1, its
-tied head Q8_0) must give the same tokens and logprobs with `weights="auto"` as with `"bf16"`.
+tied head Q8_0) must give the same tokens and logprobs with `weights="exact"` as with `"bf16"`. (The
+default, `"auto"`, runs the integer-exact contract instead: tests/test_int8_linear.py.)
 """
 from __future__ import annotations
 
@@ -115,25 +116,30 @@ def test_a_damaged_quantized_matrix_is_an_error_not_a_wrong_product():
 
 
 def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logprobs(llm, prompts):
-    """`weights="auto"` (the default: Q4_1 matrices, the tied Q8_0 head) against `"bf16"`, greedy,
-    under `reference` and `fast` (batched), with logprobs; the report names each group's storage."""
+    """`weights="exact"` (Q4_1 matrices, the tied Q8_0 head) against `"bf16"`, greedy, under `reference`
+    and `fast` (batched), with logprobs; the report names each group's storage and the contract."""
     from margingate.llm import LLM
     from margingate.options import SamplingParams
 
     bf16 = LLM(max_batch_size=4, weights="bf16")
-    assert llm.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
-                                            "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}
+    exact = LLM(max_batch_size=4, weights="exact")
+    for kept in (llm, exact):
+        assert kept.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
+                                                 "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}
+    assert llm.environment()["quantized_contract"] == "int8" and exact.environment()["quantized_contract"] == "exact"
     assert set(bf16.environment()["weights"].values()) == {"bf16"}
+    assert bf16.environment()["quantized_contract"] is None
     from margingate.analysis.roofline import StepCost
     from margingate.models.weights import streamed_bytes
 
     dense = streamed_bytes(bf16.model.own_weights)  # the roofline's bytes: as stored
     assert dense == StepCost.of(bf16.config).weight_bytes
-    assert dense / 3 < streamed_bytes(llm.model.own_weights) < dense / 2.6  # Q4_1: 5 bits, the head Q8_0: 8.5
+    for kept in (llm, exact):  # Q4_1: 5 bits, the head Q8_0: 8.5
+        assert dense / 3 < streamed_bytes(kept.model.own_weights) < dense / 2.6
     chosen = [prompts[i] for i in (0, 9, 21, 33)]
     params = SamplingParams(logprobs=2)
     for policy in ("reference", "fast"):
-        got = llm.generate(chosen, max_new_tokens=24, policy=llm.policy(policy), sampling=params)
+        got = exact.generate(chosen, max_new_tokens=24, policy=llm.policy(policy), sampling=params)
         want = bf16.generate(chosen, max_new_tokens=24, policy=bf16.policy(policy), sampling=params)
         assert [c.token_ids for c in got] == [c.token_ids for c in want], policy
         assert [c.logprobs for c in got] == [c.logprobs for c in want], policy

@@ -41,7 +41,9 @@ def proofs() -> dict:
     invariant.ops()
     t = time.perf_counter()
     paths = invariant.linear_proofs()
-    return {"paths": paths, "proof_ms": round((time.perf_counter() - t) * 1e3, 1), "in_use": invariant.linear_path()}
+    int8 = invariant.int8_proof()
+    return {"paths": paths, "proof_ms": round((time.perf_counter() - t) * 1e3, 1), "in_use": invariant.linear_path(),
+            "int8": int8}
 
 
 def reference_digest(llm) -> dict:
@@ -50,7 +52,8 @@ def reference_digest(llm) -> dict:
     out = llm.generate(prompts, max_new_tokens=NEW_TOKENS, policy=llm.policy("reference"))
     ids = [c.token_ids for c in out]
     return {"digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16], "model": llm.model_name,
-            "prompts": len(prompts), "new_tokens": NEW_TOKENS, "weights": llm.environment()["weights"]}
+            "prompts": len(prompts), "new_tokens": NEW_TOKENS, "weights": llm.environment()["weights"],
+            "quantized_contract": llm.environment()["quantized_contract"]}
 
 
 def format_report(r: dict) -> str:
@@ -66,11 +69,17 @@ def format_report(r: dict) -> str:
         detail = f": {path['detail']}" if path["detail"] else ""
         lines.append(f"  {path['path']:<11} {path['status'].upper() if path['status'] == 'refused' else path['status']}"
                      f"{detail}{mark}")
+    i8 = p["int8"]
+    detail = f": {i8['detail']}" if i8["detail"] else ""
+    lines.append("int8 linear path (quantized matrices, proven against the int8 scalar reference):")
+    lines.append(f"  {i8['path']:<11} {i8['status'].upper() if i8['status'] == 'refused' else i8['status']}{detail}")
     d = r["reference"]
     lines.append(f"reference digest  {d['digest']}  ({d['model']}, {d['prompts']} built-in prompts x "
                  f"{d['new_tokens']} tokens, greedy; compare with the README's table)")
     stored = ", ".join(f"{g} {f}" for g, f in d.get("weights", {}).items())
-    lines.append(f"weights  {stored}  (kept quantized or bf16: the same digest either way)")
+    contract = d.get("quantized_contract")
+    lines.append(f"weights  {stored}  ({'all bf16' if contract is None else contract + ' contract'}: "
+                 "the digest differs between --weights auto (int8) and exact or bf16, which share one)")
     return "\n".join(lines)
 
 
@@ -81,4 +90,4 @@ def cmd_selftest(args) -> int:
     llm = cli_args.llm(args, len(PROMPTS))
     report = {"machine": machine(), "kernels_version": VERSION, "linear": linear, "reference": reference_digest(llm)}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 1 if any(p["status"] == "refused" for p in linear["paths"]) else 0
+    return 1 if any(p["status"] == "refused" for p in [*linear["paths"], linear["int8"]]) else 0

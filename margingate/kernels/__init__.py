@@ -23,4 +23,6 @@ are keyed by it.
 #    natively on AMX and bit for bit on AVX-512 and AVX2; weights packed once at load
 # 7: seeded sampling's uniforms from our own Philox4x32-10 keyed by (seed, position, token id), not
 #    torch's mt19937; top_p's total in the kernels' fixed order (greedy tokens unchanged from 6)
-VERSION = 7
+# 8: a GGUF's quantized matrices under the integer-exact contract by default (--weights auto: int8
+#    activations, exact integer sums, one fp32 epilogue: csrc/contract.h, 5); --weights exact keeps 7's bits
+VERSION = 8

@@ -222,6 +222,14 @@ def streamed_bytes(weights: ModelWeights) -> int:
     return sum(size(getattr(L, g)) for L in weights.layers for g in MATRICES) + size(weights.lm_head)
 
 
+def quantized_contract(weights: ModelWeights) -> str | None:
+    """The contract the kept-quantized matrices run under ("int8" or "exact"; "int8+exact" never happens
+    from one load), or None where every matrix is bf16: what the reports and /health name."""
+    ms = [getattr(L, g) for L in weights.layers for g in MATRICES] + [weights.lm_head]
+    found = dict.fromkeys(m.contract for m in ms if isinstance(m, QuantWeight))
+    return "+".join(found) or None
+
+
 def weight_formats(weights: ModelWeights) -> dict[str, str]:
     """Each matrix group's storage ("bf16", or the GGUF types kept quantized, "q4_k+q6_k" where a
     fused matrix or the layers mix them): what the reports name."""
