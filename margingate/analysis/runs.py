@@ -75,8 +75,9 @@ class CachedRuns:
                      "ignore_eos": ignore_eos, "threads": env["num_threads"],
                      "torch": env["torch"], "device": env["device"],
                      **({"backend": "triton"} if env["kernels"] == "triton" else {}),
-                     # quantized weights give bf16's bits, but a run is only reused with the storage it ran on
-                     **({"weights": env["weights"], "contract": env.get("quantized_contract")} if kept_quantized(env) else {}),
+                     # a run is only reused with the storage and the quantized contract it ran on
+                     **({"weights": env["weights"], "contract": env.get("quantized_contract")}
+                        if kept_quantized(env) else {}),
                      # a folder quantized at load has other values than the folder, whatever holds them
                      **({"quantize": env["quantize"]} if env["quantize"] else {})}
 
