@@ -33,6 +33,16 @@ def llm(model_dir):
 
 
 @pytest.fixture(scope="session")
+def exact_llm(model_dir):
+    """The embedded model with its quantized matrices under `--weights exact`: the bits of its bf16
+    values, what the oracles (transformers on the dequantized file) compute. The default `llm` runs the
+    integer-exact contract (int8 activations) instead."""
+    from margingate.llm import LLM
+
+    return LLM(max_batch_size=8, weights="exact")
+
+
+@pytest.fixture(scope="session")
 def prompts():
     """The built-in prompt set (margingate/data/builtin_prompts.jsonl)."""
     from margingate.data.prompts import builtin_prompts

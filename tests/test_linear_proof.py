@@ -81,13 +81,20 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
     """`margingate selftest`: the CPU, each path's proof and the one in use, the reference digest (the
     one this process computes); exit status 1 when a path this CPU has was refused."""
     cli = [sys.executable, "-m", "margingate.cli", "selftest", "--json"]
+    if len(K.linear_paths()) > 1:  # refuse the avx2 path: another bf16 path runs the int8 model's digest
+        fault, digest = "avx2", selftest.reference_digest(llm)["digest"]
+    else:  # avx2 is this CPU's only bf16 path: refuse the int8 path, and the digest is exact's
+        from margingate.llm import LLM
+        fault, cli = "int8-avx2", [*cli, "--weights", "exact"]
+        digest = selftest.reference_digest(LLM(max_batch_size=4, weights="exact"))["digest"]
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "MARGINGATE_PROOF_FAULT": "avx2"})
+                         env={**os.environ, "MARGINGATE_PROOF_FAULT": fault})
     assert bad.returncode == 1, bad.stderr
     report = json.loads(bad.stdout)
-    assert {p["path"]: p["status"] for p in report["linear"]["paths"]}["avx2"] == "refused"
+    statuses = {p["path"]: p["status"] for p in [*report["linear"]["paths"], report["linear"]["int8"]]}
+    assert statuses[fault] == "refused" and list(statuses.values()).count("refused") == 1
     assert report["linear"]["in_use"] == K.linear_path()
-    assert report["reference"]["digest"] == selftest.reference_digest(llm)["digest"]
+    assert report["reference"]["digest"] == digest
 
 
 def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):

@@ -91,9 +91,10 @@ def test_embedded_fingerprint_matches_shipped_profile(model_dir):
     assert shipped.is_file()
 
 
-def test_fp32_logits_match_transformers(llm, prompts, hf_from_gguf):
+def test_fp32_logits_match_transformers(exact_llm, prompts, hf_from_gguf):
     """Full-prompt prefill in fp32 through the invariant kernels (fp32 activations over the
-    bf16 weights): our logits equal transformers' within 1e-3 on three built-in prompts."""
+    bf16 weights, `--weights exact`): our logits equal transformers' within 1e-3 on three built-in prompts."""
+    llm = exact_llm
     cfg, model = llm.config, llm.model
     for prompt in prompts[:3]:
         ids = llm.tokenizer.encode_prompt(prompt)
@@ -116,7 +117,7 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
 
 
-def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
+def test_bf16_greedy_matches_transformers(exact_llm, prompts, hf_bf16):
     """Greedy 64 tokens, policy "reference" vs transformers' `generate` one prompt at a
     time: identical, except where transformers' own logits hold an exact near-tie.
 
@@ -132,6 +133,7 @@ def test_bf16_greedy_matches_transformers(llm, prompts, hf_bf16):
     transformers breaks to the lowest token id). Past the first difference the contexts differ,
     so nothing later is compared.
     """
+    llm = exact_llm  # the bf16 values' bits (the default runs int8 activations)
     ours = llm.generate(prompts[:8], max_new_tokens=64, policy=llm.policy("reference"))
     eos = llm.config.eos_token_ids[0]
     identical, explained, compared = 0, [], 0

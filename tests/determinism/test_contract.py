@@ -127,15 +127,17 @@ def test_control_fast_flips_in_a_batch(llm, ids):
 
 
 def test_control_a_library_kernel_is_caught(llm, ids, monkeypatch):
-    """Inverse control: torch's GEMM (oneDNN, which picks its algorithm by the number of rows) swapped into
-    the invariant kernel set, which every deterministic policy runs: `batch-invariant` over the 8 different
-    prompts no longer equals the request alone (decoded under the same swap), and the assertion raises."""
+    """Inverse control: torch's fp32 GEMM (MKL / oneDNN, which pick their algorithm by the number of rows)
+    swapped into the invariant kernel set, which every deterministic policy runs: `batch-invariant` over the
+    8 different prompts no longer equals the request alone (decoded under the same swap), and the assertion
+    raises. fp32, not bf16: on some CPUs (an AVX2-only Zen 3 here) the library's bf16 GEMM happens to keep
+    its rows at these shapes, and its fp32 GEMM does not (M = 1, 2-4 and 5+ differ)."""
     plain = {}
 
     def library_linear(x, w, b=None):
         if id(w) not in plain:
-            plain[id(w)] = w.unpack()
-        return library.linear(x, plain[id(w)].to(x.dtype), b)
+            plain[id(w)] = w.unpack().float()
+        return library.linear(x.float(), plain[id(w)], None if b is None else b.float()).to(x.dtype)
 
     monkeypatch.setattr(layers, "INVARIANT", dataclasses.replace(layers.INVARIANT, linear=library_linear))
     monkeypatch.setattr(llm.model, "fused", False)  # the compiled whole-stack call would bypass the kernel set

@@ -7,8 +7,8 @@
 // Saturation bounds (VPMADDUBSW adds two u8 x s8 products into int16, max 32767): codes of 4, 5 and 6
 // bits are unsigned (<= 15, 31, 63) and q in [-127, 127], so a pair is at most 2 * 63 * 127 = 16002;
 // 8-bit codes (signed, maybe -128) go in as |code| (<= 128) against q carrying the code's sign, so a
-// pair is at most 2 * 128 * 127 = 32512. Each int16 result is widened at once (VPMADDWD by 1, exact):
-// nothing accumulates in int16. int32 block sums: at most 16 groups x 128 x 65024 (6 bits, zero 32,
+// pair is at most 2 * 128 * 127 = 32512. So 8, 4, 2 and 1 such int16 results (4, 5, 6, 8 bits: 8 x
+// 3810, 4 x 7874, 2 x 16002, 32512) may be added in int16 before VPMADDWD by 1 widens them. int32 block sums: at most 16 groups x 128 x 65024 (6 bits, zero 32,
 // |s| <= 128) < 2^31; K-quants with 6-bit s: 8 x 63 x 126k < 2^31.
 #pragma once
 

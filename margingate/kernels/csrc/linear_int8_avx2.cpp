@@ -1,7 +1,8 @@
 // The integer-exact linear (contract.h, 5) on AVX2: 16 columns of a panel in two vectors of 8 lanes,
-// each 32-bit lane a column's 4 k against the row's 4 q broadcast; VPMADDUBSW then VPMADDWD by 1 give
-// exact int32 sums (int8_layout.h: the bounds). Group sums scale into block sums in int32, and the float
-// epilogue runs per block across the columns' lanes, never across k.
+// each 32-bit lane a column's 4 k against the row's 4 q broadcast; VPMADDUBSW gives int16 pair sums,
+// a run of quads adds them in int16 within int8_layout.h's bounds, and VPMADDWD by 1 widens them: exact.
+// Group sums scale into block sums in int32, and the float epilogue runs per block across the columns'
+// lanes, never across k.
 #include "int8_layout.h"
 #include "quant_codes.h"
 
@@ -16,12 +17,18 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// A column's 4 codes times the row's 4 q, summed (exact). 8 bits: |code| against q with the code's sign.
+// A column's 4 codes times the row's 4 q, in two int16 pair sums (exact: int8_layout.h's bounds).
+// 8 bits: |code| against q with the code's sign.
 template <int Bits>
-inline __m256i dot4(__m256i w, __m256i w_abs, __m256i xb, __m256i ones) {
-  if constexpr (Bits == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w)), ones);
-  else return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones);
+inline __m256i dot4_16(__m256i w, __m256i w_abs, __m256i xb) {
+  if constexpr (Bits == 8) return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w));
+  else return _mm256_maddubs_epi16(w, xb);
 }
+
+// Quads whose int16 pair sums may be added before widening: a pair is at most 2 x 15 x 127 = 3810 (4
+// bits), 7874 (5), 16002 (6), 32512 (8), so 8, 4, 2 and 1 of them stay below 32767. Exact, like VPMADDWD.
+template <int Bits>
+constexpr int kRun = Bits == 4 ? 8 : Bits == 5 ? 4 : Bits == 6 ? 2 : 1;
 
 inline __m256i int8x8(const int8_t* p) {  // 8 int8 -> 8 int32
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -62,35 +69,50 @@ inline void epilogue_block(const QuantPart& q, int64_t at_d, const float* scale,
   }
 }
 
+// The int32 sums of one group (Group k) for R rows from row r0: runs of kRun quads summed in int16,
+// then widened (VPMADDWD by 1) into a.
+template <int Bits, int Group, int R>
+inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, int64_t qd0,
+                       __m256i (&a)[R][2]) {
+  constexpr int kQuads = Group / 4, kStep = kRun<Bits> < kQuads ? kRun<Bits> : kQuads;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  for (int run = 0; run < kQuads; run += kStep) {
+    __m256i a16[R][2];
+    for (int r = 0; r < R; ++r) a16[r][0] = a16[r][1] = _mm256_setzero_si256();
+    for (int64_t qd = qd0 + run; qd < qd0 + run + kStep; ++qd) {
+      __m256i lo, hi;
+      quad_codes<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr, lo, hi);
+      const __m256i lo_abs = Bits == 8 ? _mm256_abs_epi8(lo) : lo, hi_abs = Bits == 8 ? _mm256_abs_epi8(hi) : hi;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(load4(x.q + (r0 + r) * x.kp + 4 * qd));
+        a16[r][0] = _mm256_add_epi16(a16[r][0], dot4_16<Bits>(lo, lo_abs, xb));
+        a16[r][1] = _mm256_add_epi16(a16[r][1], dot4_16<Bits>(hi, hi_abs, xb));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(a16[r][h], ones));
+  }
+}
+
 // R rows from row r0 of x against one panel, every block.
-template <int Bits, bool Offset, int R>
+template <int Bits, bool Offset, int Group, int R>
 void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  const int64_t kp = x.kp, quads = q.group / 4, groups = q.block / q.group, blocks = kp / q.block;
+  const int64_t kp = x.kp, groups = q.block / Group, blocks = kp / q.block;
   const uint8_t* codes = q.codes + panel * (kp / 4) * kQuadBytes<Bits>;
   const uint8_t* high = kHighBytes<Bits> ? q.high + panel * (kp / 4) * kHighBytes<Bits> : nullptr;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i S[R][2], M[R][2];
     for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = M[r][0] = M[r][1] = _mm256_setzero_si256();
     for (int64_t g = b * groups; g < (b + 1) * groups; ++g) {
       __m256i a[R][2];
-      for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
-      for (int64_t qd = g * quads; qd < (g + 1) * quads; ++qd) {
-        __m256i lo, hi;
-        quad_codes<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr, lo, hi);
-        const __m256i lo_abs = Bits == 8 ? _mm256_abs_epi8(lo) : lo, hi_abs = Bits == 8 ? _mm256_abs_epi8(hi) : hi;
-        for (int r = 0; r < R; ++r) {
-          const __m256i xb = _mm256_set1_epi32(load4(x.q + (r0 + r) * kp + 4 * qd));
-          a[r][0] = _mm256_add_epi32(a[r][0], dot4<Bits>(lo, lo_abs, xb, ones));
-          a[r][1] = _mm256_add_epi32(a[r][1], dot4<Bits>(hi, hi_abs, xb, ones));
-        }
-      }
+      group_sums<Bits, Group, R>(x, r0, codes, high, g * (Group / 4), a);
       int32_t xsum[R];
       for (int r = 0; r < R; ++r) {
-        const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * q.group / 16;
-        xsum[r] = q.group == 32 ? s16[0] + s16[1] : s16[0];
+        const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * Group / 16;
+        xsum[r] = Group == 32 ? s16[0] + s16[1] : s16[0];
       }
-      fold_group<Offset, R>(q, (panel * (kp / q.group) + g) * 16, xsum, a, S, M);
+      fold_group<Offset, R>(q, (panel * (kp / Group) + g) * 16, xsum, a, S, M);
     }
     float scale[R];
     for (int r = 0; r < R; ++r) scale[r] = x.scale[(r0 + r) * blocks + b];
@@ -98,23 +120,29 @@ void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, floa
   }
 }
 
-template <int Bits, bool Offset, int R>
+template <int Bits, bool Offset, int Group, int R>
 void tail(const Int8Rows& x, int64_t r0, int64_t left, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
   if constexpr (R >= 1) {
-    if (left == R) tile<Bits, Offset, R>(x, r0, q, panel, acc, ldacc);
-    else tail<Bits, Offset, R - 1>(x, r0, left, q, panel, acc, ldacc);
+    if (left == R) tile<Bits, Offset, Group, R>(x, r0, q, panel, acc, ldacc);
+    else tail<Bits, Offset, Group, R - 1>(x, r0, left, q, panel, acc, ldacc);
   }
+}
+
+template <int Bits, bool Offset, int Group>
+void rows(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  int64_t r = 0;
+  for (; r + kRows <= x.m; r += kRows) tile<Bits, Offset, Group, kRows>(x, r, q, panel, acc, ldacc);
+  if (r < x.m) tail<Bits, Offset, Group, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
 }
 
 }  // namespace
 
 void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  by_format(q, [&](auto f) {
+  by_format(q, [&](auto f) {  // groups are 16 or 32 k (quant.cpp checks)
     constexpr int kBits = decltype(f)::kBits;
     constexpr bool kOffset = decltype(f)::kOffset;
-    int64_t r = 0;
-    for (; r + kRows <= x.m; r += kRows) tile<kBits, kOffset, kRows>(x, r, q, panel, acc, ldacc);
-    if (r < x.m) tail<kBits, kOffset, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
+    if (q.group == 16) rows<kBits, kOffset, 16>(x, q, panel, acc, ldacc);
+    else rows<kBits, kOffset, 32>(x, q, panel, acc, ldacc);
   });
 }
 
