@@ -58,6 +58,7 @@ def summary(rows) -> dict:
 
 def main() -> None:
     import torch
+
     from margingate.models.loader import embedded_gguf_path
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
