@@ -2,8 +2,9 @@
 
 A decode step of B rows must stream every weight once and each row's K/V prefix, and it
 must do the step's FLOPs. `measure` times this machine's memory bandwidth (a read pass over
-a buffer well beyond the last-level cache, as STREAM does) and its bf16 GEMM rate (a large
-square GEMM), at the thread count the bench runs at. `workload_floor` turns those into
+a buffer well beyond the last-level cache, as STREAM does) and its GEMM rate (a large square
+GEMM: bf16 where the CPU has bf16 dot products, else fp32, the fastest a CPU without them does;
+torch's bf16 GEMM there takes minutes), at the thread count the bench runs at. `workload_floor` turns those into
 the least time a whole bench workload could take: for each wave of B requests, one prefill
 (compute: every prompt token through every weight) and max_new_tokens - 1 decode steps, each
 max(bytes / bandwidth, FLOPs / GEMM rate). A policy's or a peer's *fraction of the floor* is
@@ -25,8 +26,9 @@ BF16 = 2                    # bytes
 @dataclass(frozen=True)
 class Machine:
     read_gb_s: float     # read bandwidth, GB/s (1e9 bytes)
-    gemm_gflop_s: float  # bf16 GEMM rate, GFLOP/s
+    gemm_gflop_s: float  # GEMM rate, GFLOP/s
     threads: int
+    gemm_dtype: str = "bf16"  # bf16, or fp32 on a CPU without bf16 dot products
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -55,13 +57,20 @@ def measure(threads: int, repeats: int = 5) -> Machine:
     torch.set_num_threads(threads)
     try:
         read = _read_seconds(repeats)
-        a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(torch.bfloat16)
-        b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(torch.bfloat16)
+        dtype = torch.bfloat16 if _has_bf16_units() else torch.float32
+        a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+        b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
         gemm = _best_of(lambda: torch.mm(a, b), repeats)
     finally:
         torch.set_num_threads(before)
     return Machine(read_gb_s=BANDWIDTH_BYTES / read / 1e9, gemm_gflop_s=2 * GEMM_SIZE ** 3 / gemm / 1e9,
-                   threads=threads)
+                   threads=threads, gemm_dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def _has_bf16_units() -> bool:
+    from ..environment import cpu_info
+    flags = (cpu_info("flags") or "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,8 @@ def format_roofline(r: dict) -> str:
     m = r["machine"]
     lines = ["### The floor (roofline)", "",
              f"Measured here at {m['threads']} threads: read bandwidth **{m['read_gb_s']:.1f} GB/s** (sum over a "
-             f"1 GiB buffer, best of 5), bf16 GEMM **{m['gemm_gflop_s']:.0f} GFLOP/s** ({GEMM_SIZE}^3 `torch.mm`, "
+             f"1 GiB buffer, best of 5), {m.get('gemm_dtype', 'bf16')} GEMM **{m['gemm_gflop_s']:.0f} GFLOP/s** "
+             f"({GEMM_SIZE}^3 `torch.mm`, "
              f"best of 5). A decode step streams {r['weight_mb']:.0f} MB of weights plus each row's K/V and does "
              f"{r['gflop_per_row']:.2f} GFLOP per row; floor = max(bytes / bandwidth, FLOPs / GEMM rate) per step, "
              "plus one prefill per wave of B.", "",
