@@ -35,7 +35,10 @@ async def health(req: HTTPRequest):
             "kv_slots_free": state.engine.load.free_slots, "last_error": w.last_error,
             # the linear path in use, and any path this CPU has that failed its load-time proof
             "linear_path": state.environment.get("kernels_linear_path"),
-            "linear_refused": state.environment.get("kernels_linear_refused", {})}
+            "linear_refused": state.environment.get("kernels_linear_refused", {}),
+            # how quantized matrices compute: "int8" (the integer-exact contract), "exact" (bf16 bits), null
+            "quantized_contract": state.environment.get("quantized_contract"),
+            "int8_path": state.environment.get("kernels_int8_path")}
     return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
