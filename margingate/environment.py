@@ -21,6 +21,7 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
 
     from .kernels import invariant
     from .models.weights import quantized_contract, weight_formats
+    contract = quantized_contract(llm.model.own_weights)
     return {"model": llm.model_name, "model_fingerprint": llm.config.fingerprint(),
             "device": str(llm.model.device), "torch": torch.__version__,
             "num_threads": llm.engine.num_threads if num_threads is None else num_threads,
@@ -33,16 +34,15 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
             "weights": weight_formats(llm.model.own_weights),  # each matrix group's storage: bf16 or its GGUF types
             # how kept-quantized matrices compute: "int8" (csrc/contract.h, 5), "exact" (their bf16 bits), None
-            "quantized_contract": quantized_contract(llm.model.own_weights),
-            "kernels_int8_path": invariant.int8_proof()["path"] if quantized_contract(llm.model.own_weights) == "int8"
-            else None,
+            "quantized_contract": contract,
+            "kernels_int8_path": invariant.int8_proof()["path"] if contract == "int8" else None,
             # --quantize: the matrices' values are the quantized ones even where they are then held as bf16
             "quantize": llm.quantize,
             "python": platform.python_version(), "packages": package_versions()}
 
 
 def kept_quantized(env: dict) -> bool:
-    """Whether a record's model keeps any matrix quantized (a GGUF run with --weights auto)."""
+    """Whether a record's model keeps any matrix quantized (a GGUF run with --weights auto or exact)."""
     return set(env.get("weights", {}).values()) - {"bf16"} != set()
 
 
