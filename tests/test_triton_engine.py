@@ -131,3 +131,15 @@ def test_triton_auto_on_cuda_follows_the_recorded_bench(tmp_path, monkeypatch):
     auto_rule.record({"main": {"B8": main(90, 80)}}, "cuda")
     assert auto_policy("cuda") == "batch-invariant"
     assert auto_rule.record({"main": {"B8": {"fast": {"tokens_per_s": 1.0}}}}, "cuda") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the rotary tables live on the CPU "
+                    "and must follow the positions to theirs (the first H200 run failed here)")
+def test_rotary_tables_follow_the_positions_device():
+    from margingate.kernels.rotary import RotaryTable
+
+    table = RotaryTable(64, 10000.0)
+    on_cpu = table.lookup(torch.tensor([0, 5, 300]), torch.bfloat16)
+    on_gpu = table.lookup(torch.tensor([0, 5, 300], device="cuda"), torch.bfloat16)
+    assert all(t.device.type == "cuda" for t in on_gpu)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))

@@ -18,7 +18,7 @@ class RotaryTable:
     def __init__(self, head_dim: int, theta: float):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
         self.inv_freq = (1.0 / (theta ** exponents)).tolist()
-        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.size = 0
 
     def _grow(self, n: int) -> None:
@@ -27,18 +27,20 @@ class RotaryTable:
         cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float32)
         sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float32)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        self.tables = {torch.float32: (cos, sin)}
+        self.tables = {(torch.float32, torch.device("cpu")): (cos, sin)}
         self.size = size
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, 1, D] cos and sin for these positions, in `dtype` (the fp32 table cast once)."""
+        """[N, 1, D] cos and sin for these positions, in `dtype`, on their device (the fp32 table cast
+        and moved once per dtype and device)."""
         top = int(positions.max()) + 1
         if top > self.size:
             self._grow(top)
-        if dtype not in self.tables:
-            cos, sin = self.tables[torch.float32]
-            self.tables[dtype] = (cos.to(dtype), sin.to(dtype))
-        cos, sin = self.tables[dtype]
+        key = (dtype, positions.device)
+        if key not in self.tables:
+            cos, sin = self.tables[(torch.float32, torch.device("cpu"))]
+            self.tables[key] = (cos.to(positions.device, dtype), sin.to(positions.device, dtype))
+        cos, sin = self.tables[key]
         return cos[positions][:, None], sin[positions][:, None]
 
 
