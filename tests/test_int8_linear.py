@@ -63,6 +63,19 @@ def numpy_linear(x: np.ndarray, c: QuantCodes) -> np.ndarray:
     return acc
 
 
+@pytest.fixture(params=K.INT8_PATHS)
+def int8_path(request):
+    """Each int8 path in turn (MARGINGATE_FORCE_INT8's switch); a path this CPU lacks skips, naming it."""
+    status = {p["path"]: p for p in K.int8_proofs()}[request.param]
+    if status["status"] != "passed":
+        pytest.skip(f"{request.param} is {status['status']} here {status['detail']}: it runs on a CPU that has it "
+                    "(an Intel Xeon with AMX runs all three paths)")
+    before = K.int8_proof()["path"]
+    K.use_int8_path(request.param)
+    yield request.param
+    K.use_int8_path(before)
+
+
 def bf16_rows(m: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2)).to(torch.bfloat16)
@@ -96,18 +109,19 @@ def test_the_activation_quantizer_follows_the_contract_at_its_edges():
 
 
 @pytest.mark.parametrize("type_name", sorted(TYPES))
-def test_every_format_gives_the_numpy_statement_of_the_contract_bit_for_bit(type_name):
-    """The C++ scalar reference and the vector path against numpy, from the GGUF codes themselves."""
+def test_every_format_gives_the_numpy_statement_of_the_contract_bit_for_bit(type_name, int8_path):
+    """The C++ scalar reference and each vector path against numpy, from the GGUF codes themselves
+    (37 rows: two AMX tiles and a tail)."""
     c = quant_codes(random_tensor(type_name, 32, 512, seed=3), type_name)
     w = quant_weight([c], "int8")
-    x = bf16_rows(5, 512, seed=len(type_name))
+    x = bf16_rows(37, 512, seed=len(type_name))
     want = torch.from_numpy(numpy_linear(x.float().numpy(), c)).to(torch.bfloat16)
     assert same_bits(K.linear_reference(x, w), want)
     assert same_bits(K.linear(x, w), want)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
-def test_each_row_has_the_same_bits_at_every_row_count_and_thread_count(type_name):
+def test_each_row_has_the_same_bits_at_every_row_count_and_thread_count(type_name, int8_path):
     """Rows 1..300 through the vector path equal the scalar reference's; a row alone equals it inside
     any batch, at 1 thread and at all cores (the contract: vectorized across rows, never across k)."""
     c = quant_codes(random_tensor(type_name, 40, 256, seed=5), type_name)
@@ -125,7 +139,7 @@ def test_each_row_has_the_same_bits_at_every_row_count_and_thread_count(type_nam
         torch.set_num_threads(threads)
 
 
-def test_codes_and_scales_at_their_extremes_do_not_saturate():
+def test_codes_and_scales_at_their_extremes_do_not_saturate(int8_path):
     """Every code at its largest (4, 5, 6 bits) or at -128 (8 bits), scales of -128, and x at +-127:
     the integer sums must come out exact (numpy's int64 against our int16/int32 steps)."""
     n, k = 16, 256
@@ -137,9 +151,9 @@ def test_codes_and_scales_at_their_extremes_do_not_saturate():
         s = np.full((n, k // group), -128 if bits == 6 else 63, np.int8) if has_s else None
         d = np.full((n, k // block), 0.5, np.float16)
         c = QuantCodes(codes, d, s, None, None, bits, zero, group, block, f"extreme-{bits}")
-        x = torch.full((3, k), 1.0, dtype=torch.bfloat16)
-        x[1] = -1.0
-        x[2, ::2] = -1.0
+        x = torch.full((19, k), 1.0, dtype=torch.bfloat16)  # 16 rows of a tile and 3 of a tail
+        x[1::3] = -1.0
+        x[2::3, ::2] = -1.0
         w = quant_weight([c], "int8")
         want = torch.from_numpy(numpy_linear(x.float().numpy(), c)).to(torch.bfloat16)
         assert same_bits(K.linear(x, w), want), bits
@@ -157,22 +171,36 @@ def test_a_matrix_of_two_formats_quantizes_x_once_per_block_size():
     assert same_bits(K.linear(x, w), torch.from_numpy(want).to(torch.bfloat16))
 
 
-def test_the_int8_path_is_proven_at_load_and_a_faulty_one_is_refused():
-    """The proof against the scalar reference ran and passed here; the same proof with one output bit
-    flipped (MARGINGATE_PROOF_FAULT, in a fresh process) refuses the path by name and the linear stops."""
+def test_the_int8_paths_are_proven_at_load_and_a_faulty_one_is_refused():
+    """Every path this CPU runs passed its proof against the scalar reference, and the fastest is in use.
+    With one output bit flipped in a proof (MARGINGATE_PROOF_FAULT, in a fresh process) that path is
+    refused by name and the next one runs; with every path faulted the linear stops, naming each."""
     import subprocess
 
-    assert K.int8_proof() == {"path": "int8-avx2", "status": "passed", "detail": ""}
+    proofs = K.int8_proofs()
+    assert [p["path"] for p in proofs] == list(K.INT8_PATHS)
+    passed = [p["path"] for p in proofs if p["status"] == "passed"]
+    assert "int8-avx2" in passed and all(p["status"] in ("passed", "cpu lacks it") for p in proofs), proofs
+    assert K.int8_proof() == {"path": passed[0], "status": "passed", "detail": ""}
     code = ("import torch, sys; sys.path.insert(0, 'tests'); from margingate.kernels import invariant as K; "
             "from margingate.kernels.quant_pack import quant_weight; from test_quantized import random_tensor; "
-            "from margingate.models.gguf_quant import quant_codes; print(K.int8_proof()['status']); "
+            "from margingate.models.gguf_quant import quant_codes; "
+            "print(*[p['path'] + '=' + p['status'] for p in K.int8_proofs()]); "
             "w = quant_weight([quant_codes(random_tensor('Q4_0', 16, 64), 'Q4_0')], 'int8'); "
-            "K.linear(torch.ones(1, 64, dtype=torch.bfloat16), w)")
-    env = {**__import__("os").environ, "MARGINGATE_PROOF_FAULT": "int8-avx2"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=__file__.rsplit("/", 2)[0])
-    assert done.stdout.startswith("refused"), done.stdout + done.stderr
-    assert done.returncode != 0 and "no int8 linear path passed its load-time proof" in done.stderr
+            "K.linear(torch.ones(1, 64, dtype=torch.bfloat16), w); print('in use', K.int8_proof()['path'])")
+
+    def run(fault: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**__import__("os").environ, "MARGINGATE_PROOF_FAULT": fault},
+                              cwd=__file__.rsplit("/", 2)[0])
+
+    one = run(passed[0])
+    assert f"{passed[0]}=refused" in one.stdout, one.stdout + one.stderr
+    if len(passed) > 1:
+        assert one.returncode == 0 and f"in use {passed[1]}" in one.stdout, one.stdout + one.stderr
+    every = run(",".join(passed))
+    assert every.returncode != 0 and "no int8 linear path passed its load-time proof" in every.stderr
+    assert all(f"{p}: int8," in every.stderr for p in passed), every.stderr
 
 
 def test_a_damaged_int8_matrix_is_an_error_not_a_wrong_product():

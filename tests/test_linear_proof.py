@@ -91,7 +91,7 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
                          env={**os.environ, "MARGINGATE_PROOF_FAULT": fault})
     assert bad.returncode == 1, bad.stderr
     report = json.loads(bad.stdout)
-    statuses = {p["path"]: p["status"] for p in [*report["linear"]["paths"], report["linear"]["int8"]]}
+    statuses = {p["path"]: p["status"] for p in [*report["linear"]["paths"], *report["linear"]["int8"]]}
     assert statuses[fault] == "refused" and list(statuses.values()).count("refused") == 1
     assert report["linear"]["in_use"] == K.linear_path()
     assert report["reference"]["digest"] == digest

@@ -41,9 +41,13 @@ def proofs() -> dict:
     invariant.ops()
     t = time.perf_counter()
     paths = invariant.linear_proofs()
-    int8 = invariant.int8_proof()
+    int8 = invariant.int8_proofs()
+    try:
+        int8_in_use = invariant.int8_proof()["path"]
+    except RuntimeError:  # every int8 path refused: the statuses say why
+        int8_in_use = None
     return {"paths": paths, "proof_ms": round((time.perf_counter() - t) * 1e3, 1), "in_use": invariant.linear_path(),
-            "int8": int8}
+            "int8": int8, "int8_in_use": int8_in_use}
 
 
 def reference_digest(llm) -> dict:
@@ -56,6 +60,16 @@ def reference_digest(llm) -> dict:
             "quantized_contract": llm.environment()["quantized_contract"]}
 
 
+def path_lines(paths: list[dict], in_use: str | None) -> list[str]:
+    lines = []
+    for path in paths:
+        mark = "  <- in use" if path["path"] == in_use else ""
+        detail = f": {path['detail']}" if path["detail"] else ""
+        status = path["status"].upper() if path["status"] == "refused" else path["status"]
+        lines.append(f"  {path['path']:<15} {status}{detail}{mark}")
+    return lines
+
+
 def format_report(r: dict) -> str:
     m, p = r["machine"], r["linear"]
     have = " ".join(f for f, on in m["flags"].items() if on)
@@ -63,16 +77,10 @@ def format_report(r: dict) -> str:
     lines = [f"cpu      {m['cpu']} (family {m['family']}, model {m['model']})",
              f"flags    {have}" + (f"   (no {lack})" if lack else ""),
              f"torch    {m['torch']}, {m['threads']} threads; kernels v{r['kernels_version']}",
-             f"linear paths, fastest first (each proven against the contract's order; {p['proof_ms']} ms):"]
-    for path in p["paths"]:
-        mark = "  <- in use" if path["path"] == p["in_use"] else ""
-        detail = f": {path['detail']}" if path["detail"] else ""
-        lines.append(f"  {path['path']:<11} {path['status'].upper() if path['status'] == 'refused' else path['status']}"
-                     f"{detail}{mark}")
-    i8 = p["int8"]
-    detail = f": {i8['detail']}" if i8["detail"] else ""
-    lines.append("int8 linear path (quantized matrices, proven against the int8 scalar reference):")
-    lines.append(f"  {i8['path']:<11} {i8['status'].upper() if i8['status'] == 'refused' else i8['status']}{detail}")
+             f"linear paths, fastest first (each proven against the contract's order; {p['proof_ms']} ms):",
+             *path_lines(p["paths"], p["in_use"]),
+             "int8 linear paths (quantized matrices, each proven against the int8 scalar reference):",
+             *path_lines(p["int8"], p["int8_in_use"])]
     d = r["reference"]
     lines.append(f"reference digest  {d['digest']}  ({d['model']}, {d['prompts']} built-in prompts x "
                  f"{d['new_tokens']} tokens, greedy; compare with the README's table)")
@@ -90,4 +98,4 @@ def cmd_selftest(args) -> int:
     llm = cli_args.llm(args, len(PROMPTS))
     report = {"machine": machine(), "kernels_version": VERSION, "linear": linear, "reference": reference_digest(llm)}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 1 if any(p["status"] == "refused" for p in [*linear["paths"], linear["int8"]]) else 0
+    return 1 if any(p["status"] == "refused" for p in [*linear["paths"], *linear["int8"]]) else 0

@@ -34,6 +34,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 FORCE_ISA = "MARGINGATE_FORCE_ISA"
 ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")  # the linear's paths, fastest first
+FORCE_INT8 = "MARGINGATE_FORCE_INT8"
+INT8_PATHS = ("int8-amx", "int8-avx512vnni", "int8-avx2")  # the int8 contract's paths, fastest first
 
 
 class IsaError(KernelBuildError):
@@ -74,6 +76,9 @@ def ops():
     forced = os.environ.get(FORCE_ISA, "")
     if forced:  # `MARGINGATE_FORCE_ISA=avx2 margingate check ...`: audit that every path gives the same bits
         use_path(forced, mod)
+    forced = os.environ.get(FORCE_INT8, "")
+    if forced:  # `MARGINGATE_FORCE_INT8=int8-avx2 margingate check ...`: the same audit for quantized matrices
+        use_int8_path(forced, mod)
     return mod
 
 
@@ -146,9 +151,28 @@ def linear_reference(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Te
 
 
 def int8_proof() -> dict:
-    """The int8 linear path's load-time proof against the scalar reference: {path, status, detail}."""
+    """The int8 linear path in use (proven against the scalar reference): {path, status, detail}; a
+    RuntimeError naming every path's status where none passed."""
     path, status, detail = ops().int8_proof()
     return {"path": path, "status": status, "detail": detail}
+
+
+def int8_proofs(mod=None) -> list[dict]:
+    """Every int8 linear path, fastest first, as `linear_proofs` reports the bf16 ones."""
+    return [{"path": p, "status": st, "detail": d} for p, st, d in (mod or ops()).int8_proofs()]
+
+
+def use_int8_path(name: str, mod=None) -> None:
+    """Run quantized matrices under the int8 contract on path `name` (one of INT8_PATHS) from now on;
+    IsaError naming why if it cannot."""
+    mod = mod or ops()
+    status = {p["path"]: p for p in int8_proofs(mod)}.get(name)
+    if status is None or status["status"] != "passed":
+        why = "does not exist" if status is None else f"is {status['status']} {status['detail']}".rstrip()
+        usable = [p["path"] for p in int8_proofs(mod) if p["status"] == "passed"]
+        raise IsaError(f"{FORCE_INT8}={name}: the int8 linear path {name!r} {why}; this CPU runs "
+                       f"{', '.join(usable) or 'none'} (paths: {', '.join(INT8_PATHS)})")
+    mod.set_int8_path(name)
 
 
 def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Which instruction-set units of the linear the compiler can build.
 
-Each ISA path (`csrc/linear_amx.cpp`, `linear_avx512bf16.cpp`, `linear_avx512.cpp`) is its own
+Each ISA path (`csrc/linear_amx.cpp`, `linear_avx512bf16.cpp`, `linear_avx512.cpp`, and the int8 contract's
+`linear_int8_amx.cpp` and `linear_int8_vnni.cpp`) is its own
 translation unit under its own target pragma. A compiler that lacks a target (GCC before 11 has no
 AMX intrinsics) must not fail the whole build on a CPU that never needs that path: the unit is left
 out, the path reported "not built", and the rest builds. The probe compiles the unit itself, once
@@ -14,7 +15,9 @@ from pathlib import Path
 
 # path name -> (its unit, the macro that tells linear_paths.cpp it is built)
 UNITS = {"amx": ("linear_amx.cpp", "MG_BUILT_AMX"), "avx512bf16": ("linear_avx512bf16.cpp", "MG_BUILT_AVX512BF16"),
-         "avx512": ("linear_avx512.cpp", "MG_BUILT_AVX512")}
+         "avx512": ("linear_avx512.cpp", "MG_BUILT_AVX512"),
+         "int8-amx": ("linear_int8_amx.cpp", "MG_BUILT_INT8_AMX"),
+         "int8-avx512vnni": ("linear_int8_vnni.cpp", "MG_BUILT_INT8_VNNI")}
 
 
 def compiler_version(cxx: str = "c++") -> str:
@@ -35,6 +38,7 @@ def buildable(csrc: Path, cflags: list[str], cache: Path, cxx: str = "c++") -> d
     except (OSError, ValueError):
         pass
     built = {name: _compiles(csrc / unit, csrc, cflags, cxx) for name, (unit, _) in UNITS.items()}
+    built["int8-amx"] = built["int8-amx"] and built["int8-avx512vnni"]  # its tail rows run on the VNNI kernel
     cache.write_text(json.dumps({"key": key, "built": built}, indent=1))
     return built
 

@@ -15,7 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_proofs", &linear_proofs, "every linear path: [name, status, detail] (proves those the CPU runs)");
   m.def("dequantize_packed", &dequantize_packed, "a quantized weight dequantized to packed bf16 panels (the reference)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized weight, dequantized to bf16 (embedding lookups)");
-  m.def("int8_proof", &int8_proof_report, "the int8 linear path's load-time proof: [name, status, detail]");
+  m.def("int8_proof", &int8_proof_report, "the int8 linear path in use: [name, status, detail]");
+  m.def("int8_proofs", &int8_proofs, "every int8 linear path: [name, status, detail] (proves those the CPU runs)");
+  m.def("set_int8_path", &set_int8_path, "use this int8 linear path (an error where it cannot run or failed its proof)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "x's rows quantized as the int8 contract does: q, scale, sum16");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");

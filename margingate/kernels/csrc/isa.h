@@ -68,6 +68,8 @@ struct Int8Rows {
 // stride ldacc), under FTZ | DAZ set by the caller; x.block == q.block. The same bits on every path.
 void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);
 void linear_int8_scalar(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);
+void linear_int8_vnni(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);  // AVX-512 VNNI
+void linear_int8_amx(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc);   // AMX-INT8
 
 // One panel of a part, all kp k, into the packed bf16 layout [kp / 2][16][2]; the same bits on every ISA.
 void dequant_panel_avx2(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst);        // quant.cpp

@@ -56,10 +56,13 @@ at::Tensor dequantize_rows(const at::Tensor& blob, const at::Tensor& index);
 
 // linear_int8.cpp: the integer-exact contract (contract.h, 5) on the best proven path, or the scalar reference
 at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference);
-std::vector<std::string> int8_proof_report();  // name, status, detail
+std::vector<std::string> int8_proof_report();  // the path in use: name, status, detail
+std::vector<std::vector<std::string>> int8_proofs();  // every int8 path: name, status, detail (proves those the CPU runs)
+void set_int8_path(const std::string& name);
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block);  // q, scale, sum16
 // linear_proof.cpp: "" when run gives the int8 scalar reference's bits on the fixed cases, else the first difference
-std::string prove_int8(const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run);
+std::string prove_int8(const std::string& path,
+                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run);
 // linear.cpp: the bias as fp32 (empty: none), and bias plus the output rounding of acc's rows and columns
 std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n);
 void linear_epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,

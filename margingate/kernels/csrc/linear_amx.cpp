@@ -5,9 +5,6 @@
 // Tiles: C 0-3 (2 x 2 blocks of 16 rows x 16 fp32 columns), A 4-5 (16 rows x 32 bf16 of x),
 // B 6-7 (16 pairs x 16 columns of one packed panel: the panel layout is AMX's VNNI layout).
 #pragma GCC target("amx-tile,amx-bf16,avx512f")
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "contract.h"
 #include "isa.h"
 
@@ -75,12 +72,6 @@ void linear_amx(const LinearTask& t) {
   for (; p + 2 <= t.p1; p += 2) amx_rows<2>(t, p);
   if (p < t.p1) amx_rows<1>(t, p);
   _tile_release();
-}
-
-bool amx_granted() {
-  constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  return granted;
 }
 
 }  // namespace mg

@@ -10,6 +10,14 @@
 #include "int8_layout.h"
 #include "kernels.h"
 
+// Set by the build (kernels/invariant.py) for each int8 ISA unit the compiler could build.
+#ifndef MG_BUILT_INT8_AMX
+#define MG_BUILT_INT8_AMX 0
+#endif
+#ifndef MG_BUILT_INT8_VNNI
+#define MG_BUILT_INT8_VNNI 0
+#endif
+
 namespace mg {
 namespace {
 
@@ -110,19 +118,66 @@ at::Tensor run_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector
   return out;
 }
 
-std::once_flag proof_once;
-std::string proof_why;
+// The int8 paths, fastest first. Each is built where the compiler has its target (isa_units.py), runs
+// where the CPU has it, and is used only once its load-time proof against the scalar reference passed.
+struct Int8Path {
+  const char* name;
+  bool built;
+  bool (*cpu)();
+  Int8Kernel kernel;
+  std::once_flag once;
+  std::string why;  // the proof's first difference; "" when it passed
+};
 
-const std::string& int8_proof() {
-  std::call_once(proof_once, [] {
-    proof_why = prove_int8([](const at::Tensor& x, const at::Tensor& w, int64_t n) {
-      return run_int8(x, quant_matrix(w), {}, &linear_int8_avx2);
+Int8Path int8_paths[] = {
+#if MG_BUILT_INT8_AMX
+    {"int8-amx", true, []() -> bool { return __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vnni") &&
+                                   amx_granted(); }, &linear_int8_amx, {}, {}},
+#else
+    {"int8-amx", false, []() -> bool { return __builtin_cpu_supports("amx-int8"); }, nullptr, {}, {}},
+#endif
+#if MG_BUILT_INT8_VNNI
+    {"int8-avx512vnni", true, []() -> bool { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); },
+     &linear_int8_vnni, {}, {}},
+#else
+    {"int8-avx512vnni", false, []() -> bool { return __builtin_cpu_supports("avx512vnni"); }, nullptr, {}, {}},
+#endif
+    {"int8-avx2", true, []() -> bool { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
+     &linear_int8_avx2, {}, {}},
+};
+
+const std::string& proof(Int8Path& p) {
+  std::call_once(p.once, [&p] {
+    p.why = prove_int8(p.name, [&p](const at::Tensor& x, const at::Tensor& w, int64_t) {
+      return run_int8(x, quant_matrix(w), {}, p.kernel);
     });
-    if (!proof_why.empty())
-      TORCH_WARN("margingate: the int8 linear path 'int8-avx2' was refused: its load-time proof differs from the ",
-                 "scalar reference (", proof_why, ")");
+    if (!p.why.empty())
+      TORCH_WARN("margingate: the int8 linear path '", p.name, "' was refused: its load-time proof differs from the ",
+                 "scalar reference (", p.why, "); the next path runs instead");
   });
-  return proof_why;
+  return p.why;
+}
+
+bool usable(Int8Path& p) { return p.built && p.cpu() && proof(p).empty(); }
+
+Int8Path* forced_int8 = nullptr;  // set_int8_path
+
+Int8Path& chosen() {
+  if (forced_int8) return *forced_int8;
+  static Int8Path* best = [] {
+    for (Int8Path& p : int8_paths)
+      if (usable(p)) return &p;
+    return static_cast<Int8Path*>(nullptr);
+  }();
+  if (!best) {
+    std::string all;
+    for (Int8Path& p : int8_paths)
+      all += std::string(all.empty() ? "" : "; ") + p.name + ": " +
+             (!p.built ? "not built" : !p.cpu() ? "cpu lacks it" : proof(p));
+    TORCH_CHECK(false, "margingate: no int8 linear path passed its load-time proof on this CPU (", all,
+                "); load the file with --weights exact or bf16");
+  }
+  return *best;
 }
 
 }  // namespace
@@ -156,14 +211,36 @@ void linear_int8_scalar(const Int8Rows& x, const QuantPart& q, int64_t panel, fl
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference) {
-  if (reference) return run_int8(x, m, bias, &linear_int8_scalar);
-  const std::string& why = int8_proof();
-  TORCH_CHECK(why.empty(), "margingate: no int8 linear path passed its load-time proof on this CPU ('int8-avx2': ",
-              why, "); load the file with --weights exact or bf16");
-  return run_int8(x, m, bias, &linear_int8_avx2);
+  return run_int8(x, m, bias, reference ? &linear_int8_scalar : chosen().kernel);
 }
 
-std::vector<std::string> int8_proof_report() { return {"int8-avx2", int8_proof().empty() ? "passed" : "refused", int8_proof()}; }
+std::vector<std::vector<std::string>> int8_proofs() {
+  std::vector<std::vector<std::string>> out;
+  for (Int8Path& p : int8_paths) {
+    if (!p.built) out.push_back({p.name, "not built", "the compiler lacks its target"});
+    else if (!p.cpu()) out.push_back({p.name, "cpu lacks it", ""});
+    else out.push_back({p.name, proof(p).empty() ? "passed" : "refused", proof(p)});
+  }
+  return out;
+}
+
+std::vector<std::string> int8_proof_report() {
+  Int8Path& p = chosen();
+  return {p.name, "passed", ""};
+}
+
+// For audits (MARGINGATE_FORCE_INT8) and tests: an error names why a path cannot be used.
+void set_int8_path(const std::string& name) {
+  for (Int8Path& p : int8_paths) {
+    if (name != p.name) continue;
+    TORCH_CHECK(p.built, "the int8 linear path '", name, "' is not built: the compiler lacks its target");
+    TORCH_CHECK(p.cpu(), "the int8 linear path '", name, "' cannot run on this CPU");
+    TORCH_CHECK(proof(p).empty(), "the int8 linear path '", name, "' was refused at load: ", proof(p));
+    forced_int8 = &p;
+    return;
+  }
+  TORCH_CHECK(false, "unknown int8 linear path '", name, "': int8-amx, int8-avx512vnni or int8-avx2");
+}
 
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block) {
   check_cpu(x, "x");

@@ -3,6 +3,8 @@
 // warning naming it and why, and the reports name it (linear_proofs). Every path computes the same
 // order (contract.h, 1); the proof is what keeps a path no one could test here from changing a bit.
 #include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <mutex>
 
@@ -96,6 +98,13 @@ Choice& choice() {
 }  // namespace
 
 std::string path_name(Path p) { return kPathNames[int(p)]; }
+
+// AMX needs the OS's permission once per process (no AMX instruction here: this unit is baseline AVX2).
+bool amx_granted() {
+  constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  return granted;
+}
 
 // AMX and AVX512-BF16 take bf16 x only; fp32 x takes the best usable FMA path (the same order).
 Path linear_path_for(bool fp32_x) {

@@ -18,6 +18,12 @@
 namespace mg {
 namespace {
 
+// Tests make a proof fail: MARGINGATE_PROOF_FAULT names paths (comma-separated) whose proof sees one bit flipped.
+bool faulted(const std::string& path) {
+  const char* fault = std::getenv("MARGINGATE_PROOF_FAULT");
+  return fault && ("," + std::string(fault) + ",").find("," + path + ",") != std::string::npos;
+}
+
 struct Case {
   int64_t m, n, k;
   int spread;  // exponents in [-spread, spread] around 1
@@ -85,8 +91,10 @@ struct Format {
 constexpr Format kFormats[] = {{4, 3, 32, 64, true, true, true},    // Q4_K's (with a zero point)
                                {5, 16, 32, 32, false, false, false},  // Q5_0's
                                {6, 32, 16, 32, true, false, false},   // Q6_K's
-                               {8, 0, 32, 32, false, true, false}};   // Q8_0's, with Q4_1's offset
-constexpr Case kQuantCases[] = {{1, 40, 64, 8}, {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}};
+                               {8, 0, 32, 32, false, true, false},    // Q8_0's, with Q4_1's offset
+                               {8, 0, 32, 32, false, false, false}};  // Q8_0's (AMX tiles run it)
+constexpr int kNumFormats = 5;
+constexpr Case kQuantCases[] = {{1, 40, 64, 8}, {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}, {33, 24, 64, 8}};
 
 // Bytes of a part's codes, high bits, d, s, d_off and s_off (0: none), for np panels.
 std::vector<int64_t> array_bytes(const Format& f, int64_t np, int64_t k) {
@@ -101,7 +109,7 @@ at::Tensor make_quant(Rng& r, const Case& c, int f, int64_t magic = kQuantMagic)
   std::vector<int64_t> head = {magic, c.n, c.k, parts};
   int64_t at = round_up(8 * (4 + 12 * parts), 64);
   for (int64_t i = 0; i < parts; ++i) {
-    const Format& fm = kFormats[(f + i) % 4];
+    const Format& fm = kFormats[(f + i) % kNumFormats];
     const int64_t np = i == 0 ? 1 : panels - 1;
     head.insert(head.end(), {np, fm.group, fm.block, fm.bits, fm.zero});
     for (int64_t bytes : array_bytes(fm, np, c.k)) {
@@ -142,7 +150,6 @@ std::string compare(const at::Tensor& got, const at::Tensor& want, const Case& c
 // MARGINGATE_PROOF_FAULT=<path> flips one output bit of that path inside its proof: how the tests
 // make a path fail (a refused path must warn, step aside, and be named), never used otherwise.
 std::string prove_linear(const std::string& path, const LinearRun& run, bool fp32_x) {
-  const char* fault = std::getenv("MARGINGATE_PROOF_FAULT");
   Rng r{0x9E3779B97F4A7C15ull};
   for (const Case& c : kCases)
     for (int fp32 = 0; fp32 <= int(fp32_x); ++fp32) {
@@ -151,12 +158,12 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
       for (int64_t j = 0; j < c.n; ++j) bias.data_ptr<float>()[j] = float(int(r.next() % 9) - 4) * 0.25f;
       for (const c10::optional<at::Tensor>& b : {c10::optional<at::Tensor>(), c10::optional<at::Tensor>(bias)}) {
         at::Tensor got = run(x, w, c.n, b);
-        if (fault && path == fault) got.view(fp32 ? at::kInt : at::kShort)[0][0].bitwise_xor_(1);
+        if (faulted(path)) got.view(fp32 ? at::kInt : at::kShort)[0][0].bitwise_xor_(1);
         const std::string why = compare(got, linear_reference(x, w, c.n, b, fp32), c, fp32);
         if (!why.empty()) return why;
       }
     }
-  for (int f = 0; f < 4; ++f) {  // quantized weights: dequantized by the path's ISA, then its kernel
+  for (int f = 0; f < kNumFormats; ++f) {  // quantized weights: dequantized by the path's ISA, then its kernel
     const Case& c = kQuantCases[f];
     const at::Tensor w = make_quant(r, c, f);
     for (int fp32 = 0; fp32 <= int(fp32_x); ++fp32) {
@@ -171,14 +178,14 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
 
 // The int8 path against the int8 scalar reference (contract.h, 5): every code layout, two parts of
 // different blocks in one matrix, rows with zeros, denormals and wide exponents, 1 to 200 rows.
-std::string prove_int8(const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run) {
-  const char* fault = std::getenv("MARGINGATE_PROOF_FAULT");
+std::string prove_int8(const std::string& path,
+                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run) {
   Rng r{0xD1B54A32D192ED03ull};
-  for (int f = 0; f < 4; ++f) {
+  for (int f = 0; f < kNumFormats; ++f) {
     const Case& c = kQuantCases[f];
     const at::Tensor w = make_quant(r, c, f, kInt8Magic), x = make_x(r, c, false);
     at::Tensor got = run(x, w, c.n);
-    if (fault && std::string(fault) == "int8-avx2") got.view(at::kShort)[0][0].bitwise_xor_(1);
+    if (faulted(path)) got.view(at::kShort)[0][0].bitwise_xor_(1);
     const std::string why = compare(got, linear_reference(x, w, c.n, c10::nullopt, false), c, false);
     if (!why.empty()) return "int8, " + why;
   }

@@ -1,0 +1,94 @@
+// The integer-exact linear (contract.h, 5) on AVX-512 VNNI: a quad of a panel (4 k of 16 columns, 64
+// codes) is one zmm whose 32-bit lane l is column l's 4 codes, so one VPDPBUSD per row and quad adds the
+// column's 4 products into its int32 lane. Its own translation unit, the only one compiled for AVX-512
+// VNNI (the target pragma); it runs only where the CPU has it and its load-time proof passed.
+//
+// Bounds: VPDPBUSD multiplies u8 by s8 and adds the four products to the int32 lane without saturating
+// (never VPDPBUSDS). Codes of 4, 5 and 6 bits are the u8 operand, q in [-127, 127] the s8 one; 8-bit codes
+// (signed, maybe -128) go in as |code| (<= 128, a valid u8) against q carrying the code's sign (|q| <= 127).
+// A group of at most 32 k sums at most 32 x 255 x 127 in magnitude, far below 2^31; block sums as in
+// int8_layout.h. The fold into block sums and the float epilogue (int8_layout512.h) are the AVX2 path's,
+// on 16 lanes.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include "int8_layout512.h"
+#include "quant_codes.h"
+
+namespace mg {
+namespace {
+
+constexpr int kRows = 8;  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
+template <int Bits, int Group, int R>
+inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, int64_t qd0,
+                       __m512i (&a)[R]) {
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+  for (int64_t qd = qd0; qd < qd0 + Group / 4; ++qd) {
+    const __m512i w = quad_codes512<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr);
+    const __m512i u = Bits == 8 ? _mm512_abs_epi8(w) : w;
+    const __mmask64 neg = Bits == 8 ? _mm512_movepi8_mask(w) : 0;
+    for (int r = 0; r < R; ++r) {
+      __m512i xb = _mm512_set1_epi32(load4(x.q + (r0 + r) * x.kp + 4 * qd));
+      if constexpr (Bits == 8) xb = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);
+      a[r] = _mm512_dpbusd_epi32(a[r], u, xb);
+    }
+  }
+}
+
+// R rows from r0 against one panel, every block: fold each group into S (and M), then the block's epilogue.
+template <int Bits, bool Offset, int Group, int R>
+void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  const int64_t kp = x.kp, groups = q.block / Group, blocks = kp / q.block;
+  const uint8_t* codes = q.codes + panel * (kp / 4) * kQuadBytes<Bits>;
+  const uint8_t* high = kHighBytes<Bits> ? q.high + panel * (kp / 4) * kHighBytes<Bits> : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i S[R], M[R];
+    for (int r = 0; r < R; ++r) S[r] = M[r] = _mm512_setzero_si512();
+    for (int64_t g = b * groups; g < (b + 1) * groups; ++g) {
+      __m512i a[R];
+      group_sums<Bits, Group, R>(x, r0, codes, high, g * (Group / 4), a);
+      const GroupScales gs = group_scales512<Offset>(q, (panel * (kp / Group) + g) * 16);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * Group / 16;
+        fold_row<Offset>(gs, a[r], Group == 32 ? s16[0] + s16[1] : s16[0], q.zero, S[r], M[r]);
+      }
+    }
+    const BlockScales bs = block_scales512<Offset>(q, (panel * blocks + b) * 16);
+    for (int r = 0; r < R; ++r)
+      epilogue_row<Offset>(bs, x.scale[(r0 + r) * blocks + b], S[r], M[r], acc + (r0 + r) * ldacc);
+  }
+}
+
+template <int Bits, bool Offset, int Group, int R>
+void tail(const Int8Rows& x, int64_t r0, int64_t left, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  if constexpr (R >= 1) {
+    if (left == R) tile<Bits, Offset, Group, R>(x, r0, q, panel, acc, ldacc);
+    else tail<Bits, Offset, Group, R - 1>(x, r0, left, q, panel, acc, ldacc);
+  }
+}
+
+template <int Bits, bool Offset, int Group>
+void rows(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  int64_t r = 0;
+  for (; r + kRows <= x.m; r += kRows) tile<Bits, Offset, Group, kRows>(x, r, q, panel, acc, ldacc);
+  if (r < x.m) tail<Bits, Offset, Group, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
+}
+
+}  // namespace
+
+void linear_int8_vnni(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  by_format(q, [&](auto f) {  // groups are 16 or 32 k (quant.cpp checks)
+    constexpr int kBits = decltype(f)::kBits;
+    constexpr bool kOffset = decltype(f)::kOffset;
+    if (q.group == 16) rows<kBits, kOffset, 16>(x, q, panel, acc, ldacc);
+    else rows<kBits, kOffset, 32>(x, q, panel, acc, ldacc);
+  });
+}
+
+}  // namespace mg
