@@ -100,18 +100,20 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
 def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
     """A compiler without a target (GCC < 11 has no AMX intrinsics) leaves that unit out and reports
     the path "not built"; the other units and the dispatcher still compile (no MG_BUILT_* macros)."""
-    cxx = tmp_path / "cxx"  # a compiler that cannot build the AMX unit
-    cxx.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *linear_amx.cpp) exit 1;; esac; done\nexec c++ "$@"\n')
+    cxx = tmp_path / "cxx"  # a compiler that cannot build the AMX units (bf16 and int8)
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *_amx.cpp) exit 1;; esac; done\nexec c++ "$@"\n')
     cxx.chmod(0o755)
     csrc = Path(K.__file__).parent / "csrc"
     built = isa_units.buildable(csrc, ["-mavx2", "-mfma"], tmp_path / "units.json", str(cxx))
-    assert built == {"amx": False, "avx512bf16": True, "avx512": True}
+    assert built == {"amx": False, "avx512bf16": True, "avx512": True, "int8-amx": False, "int8-avx512vnni": True}
     sources, defines = isa_units.sources_and_defines(csrc, built)
-    assert not any(s.endswith("linear_amx.cpp") for s in sources) and "-DMG_BUILT_AMX=1" not in defines
+    assert not any(s.endswith("_amx.cpp") for s in sources)
+    assert "-DMG_BUILT_AMX=1" not in defines and "-DMG_BUILT_INT8_AMX=1" not in defines
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
     flags = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], csrc]]
     flags += ["-std=c++17", "-mavx2", "-mfma", "-fsyntax-only"]
-    done = subprocess.run(["c++", *flags, str(csrc / "linear_paths.cpp")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    for dispatcher in ("linear_paths.cpp", "linear_int8.cpp"):
+        done = subprocess.run(["c++", *flags, str(csrc / dispatcher)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export MARGINGATE_CACHE="${MARGINGATE_CACHE:-$PWD/.cache}"
-O=results/int8/bench
+O=${1:-results/int8/bench}  # the output folder (one per machine kind: its CPU is in each report)
 M=$MARGINGATE_CACHE/random-1b
 [ -f "$M/config.json" ] || .venv/bin/python scripts/make_random_model.py --size 1b --out "$M"
 BF16=$(.venv/bin/python -c "from margingate.models.gguf_export import bf16_gguf; print(bf16_gguf('$M'))")

@@ -6,7 +6,7 @@
 # model on 2 cores). `fast` is the inverse control and must flip. Each run prints its digest and rate.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-O=results/int8/check
+O=${1:-results/int8/check}  # the output folder (one per machine kind)
 source results/check/run_check.sh
 S=(--max-new-tokens 64)
 for p in reference batch-invariant margin dvr; do run smollm2-$p --policy $p "${S[@]}"; done

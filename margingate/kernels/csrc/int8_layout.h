@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "isa.h"
 
@@ -35,6 +36,28 @@ inline int int8_code(const QuantPart& q, int64_t panel, int64_t kp, int64_t k, i
   if (q.bits == 5) c |= ((q.high[quad * 8 + i % 8] >> (i / 8)) & 1) << 4;
   if (q.bits == 6) c |= ((q.high[quad * 16 + i % 16] >> (2 * (i / 16))) & 3) << 4;
   return c;
+}
+
+inline int32_t load4(const int8_t* p) {  // a row's 4 q of one quad
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// m rows in tiles of R, then one tile of the rows left: tile(std::integral_constant<int, n>{}, first row).
+template <int R, class F>
+inline void row_tail(int64_t left, int64_t r0, F& tile) {
+  if constexpr (R >= 1) {
+    if (left == R) tile(std::integral_constant<int, R>{}, r0);
+    else row_tail<R - 1>(left, r0, tile);
+  }
+}
+
+template <int R, class F>
+inline void row_tiles(int64_t m, F tile) {
+  int64_t r = 0;
+  for (; r + R <= m; r += R) tile(std::integral_constant<int, R>{}, r);
+  if (r < m) row_tail<R - 1>(m - r, r, tile);
 }
 
 // One quad's 64 codes: lo = columns 0-7, hi = columns 8-15, each 32-bit lane a column's 4 k.

@@ -11,12 +11,6 @@ namespace {
 
 constexpr int kRows = 4;  // rows per tile: 8 int32 accumulators, the codes, a broadcast and constants
 
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // A column's 4 codes times the row's 4 q, in two int16 pair sums (exact: int8_layout.h's bounds).
 // 8 bits: |code| against q with the code's sign.
 template <int Bits>
@@ -120,19 +114,9 @@ void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, floa
   }
 }
 
-template <int Bits, bool Offset, int Group, int R>
-void tail(const Int8Rows& x, int64_t r0, int64_t left, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  if constexpr (R >= 1) {
-    if (left == R) tile<Bits, Offset, Group, R>(x, r0, q, panel, acc, ldacc);
-    else tail<Bits, Offset, Group, R - 1>(x, r0, left, q, panel, acc, ldacc);
-  }
-}
-
 template <int Bits, bool Offset, int Group>
 void rows(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  int64_t r = 0;
-  for (; r + kRows <= x.m; r += kRows) tile<Bits, Offset, Group, kRows>(x, r, q, panel, acc, ldacc);
-  if (r < x.m) tail<Bits, Offset, Group, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
+  row_tiles<kRows>(x.m, [&](auto n, int64_t r0) { tile<Bits, Offset, Group, decltype(n)::value>(x, r0, q, panel, acc, ldacc); });
 }
 
 }  // namespace

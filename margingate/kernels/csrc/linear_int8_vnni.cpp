@@ -18,12 +18,6 @@ namespace {
 
 constexpr int kRows = 8;  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
 
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
 template <int Bits, int Group, int R>
 inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, int64_t qd0,
@@ -65,19 +59,9 @@ void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, floa
   }
 }
 
-template <int Bits, bool Offset, int Group, int R>
-void tail(const Int8Rows& x, int64_t r0, int64_t left, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  if constexpr (R >= 1) {
-    if (left == R) tile<Bits, Offset, Group, R>(x, r0, q, panel, acc, ldacc);
-    else tail<Bits, Offset, Group, R - 1>(x, r0, left, q, panel, acc, ldacc);
-  }
-}
-
 template <int Bits, bool Offset, int Group>
 void rows(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  int64_t r = 0;
-  for (; r + kRows <= x.m; r += kRows) tile<Bits, Offset, Group, kRows>(x, r, q, panel, acc, ldacc);
-  if (r < x.m) tail<Bits, Offset, Group, kRows - 1>(x, r, x.m - r, q, panel, acc, ldacc);
+  row_tiles<kRows>(x.m, [&](auto n, int64_t r0) { tile<Bits, Offset, Group, decltype(n)::value>(x, r0, q, panel, acc, ldacc); });
 }
 
 }  // namespace
