@@ -54,10 +54,16 @@ vllm-venv: $(VLLM_VENV)/.installed
 # pip compiles llama.cpp from source (cmake + g++, native CPU flags): about 5 minutes on 2 cores
 # (300 s for this target, run under nice -n 19 beside other work); the venv is 160 MB.
 LLAMACPP_VENV := .venv-llamacpp
+# Native flags by default. On the Intel Xeon with AMX here, the native build (AMX_INT8 = 1) segfaulted on
+# every eval; this builds it with AVX-512 VNNI / BF16 and without AMX, which ran:
+#   make llamacpp-venv LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+#     -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+#     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+LLAMACPP_CMAKE_ARGS ?=
 $(LLAMACPP_VENV)/.installed:
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install --quiet --upgrade pip
-	$(LLAMACPP_VENV)/bin/pip install --quiet llama-cpp-python==0.3.36 numpy
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_VENV)/bin/pip install --quiet llama-cpp-python==0.3.36 numpy
 	touch $@
 
 llamacpp-venv: $(LLAMACPP_VENV)/.installed

@@ -16,7 +16,8 @@ from .. import cli_args
 from ..data.prompts import builtin_prompts
 from ..environment import cpu_info
 
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")  # what picks a path
+# the flags that pick a path (bf16 and int8)
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 PROMPTS, NEW_TOKENS = (0, 10, 20, 30), 32  # the digest's run: one prompt per category, greedy
 
 
