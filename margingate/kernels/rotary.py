@@ -15,9 +15,13 @@ class RotaryTable:
     rounded to fp32): a position's entry never depends on how many positions a forward holds
     or on the thread count (a vectorized library cos treats a tensor's tail differently)."""
 
-    def __init__(self, head_dim: int, theta: float):
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        self.inv_freq = (1.0 / (theta ** exponents)).tolist()
+    def __init__(self, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None):
+        """`inv_freq`: the fp32 inverse frequencies where a RoPE scaling sets them (models/rope_scaling.py);
+        else plain RoPE's at base `theta`."""
+        if inv_freq is None:
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            inv_freq = 1.0 / (theta ** exponents)
+        self.inv_freq = inv_freq.tolist()
         self.tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.size = 0
 

@@ -7,9 +7,28 @@ import math
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 
+from . import rope_scaling
 from .architectures import ARCHITECTURES
 
-GEMMA_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar")
+# Fields absent from the fingerprint at their defaults, as before they existed: old fingerprints stay.
+OPTIONAL_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar", "rope_scaling", "rope_freq_factors")
+
+# Every key transformers' configs of our architectures hold, by what our forward does with it; a test
+# (tests/test_config_fields.py) fails on a key in none of them, so no field that changes the forward
+# is ignored without a word. READ: from_hf uses it. NO_FORWARD: bookkeeping, generation or training
+# only (dropout is off at inference; pretraining_tp only splits a matmul). REFUSED: a feature we do not
+# implement, refused by name unless it is off (_refuse_unimplemented; Gemma 3's in _gemma3_fields).
+READ = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "attention_bias", "eos_token_id", "layer_types",
+        "sliding_window", "_sliding_window_pattern", "sliding_window_pattern", "rope_local_base_freq",
+        "query_pre_attn_scalar", "rope_freq_factors"}
+NO_FORWARD = {"_name_or_path", "model_type", "dtype", "torch_dtype", "transformers_version", "bos_token_id",
+              "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "pretraining_tp",
+              "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+              "output_hidden_states", "problem_type", "return_dict"}
+REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window", "max_window_layers",
+           "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "partial_rotary_factor"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +52,10 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()   # per layer, its sliding window (0: full attention)
     rope_local_theta: float = 0.0         # the sliding layers' RoPE base
     query_pre_attn_scalar: float = 0.0    # attention scale 1/sqrt(this); 0: 1/sqrt(head_dim)
+    # RoPE scaling (models/rope_scaling.py): ("llama3", factor, low_freq_factor, high_freq_factor, original
+    # context) or ("linear", factor) from config.json; or a GGUF's per-frequency divisors (its rope_freqs)
+    rope_scaling: tuple = ()
+    rope_freq_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_hf(cls, raw: dict, name: str) -> ModelConfig:
@@ -44,7 +67,12 @@ class ModelConfig:
         if architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {architecture} is not supported (supported: {', '.join(ARCHITECTURES)})")
         bias = ARCHITECTURES[architecture].attention_bias
-        gemma = _gemma3_fields(raw, name) if architecture == "Gemma3ForCausalLM" else {}
+        if architecture == "Gemma3ForCausalLM":
+            gemma = _gemma3_fields(raw, name)
+        else:
+            _refuse_unimplemented(raw, name)
+            gemma = {"rope_scaling": rope_scaling.parse(raw, name),
+                     "rope_freq_factors": tuple(float(f) for f in raw.get("rope_freq_factors") or ())}
         rope = gemma.pop("rope_theta", rope)  # Gemma: the full-attention layers' base
         return cls(
             name=name,
@@ -82,10 +110,27 @@ class ModelConfig:
         fields = asdict(self)
         del fields["architecture"]
         defaults = {f.name: f.default for f in dataclass_fields(self)}
-        for name in GEMMA_FIELDS:  # absent from the Llama family's fingerprints, as before they existed
+        for name in OPTIONAL_FIELDS:  # absent from the fingerprints at their defaults, as before they existed
             if fields[name] == defaults[name]:
                 del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _refuse_unimplemented(raw: dict, name: str) -> None:
+    """The Llama family's forward-changing fields we do not implement, refused by name unless off."""
+    off = {"hidden_act": ("silu", None), "mlp_bias": (False, None), "use_sliding_window": (False, None),
+           "partial_rotary_factor": (1, 1.0, None)}
+    for key, allowed in off.items():
+        if raw.get(key) not in allowed:
+            raise ValueError(f"{name}: {key} = {raw[key]!r} is not supported (only {allowed[0]!r})")
+    # Mistral attends over a window whenever sliding_window is set; Qwen2 only with use_sliding_window (refused)
+    window, top = raw.get("sliding_window"), raw.get("max_position_embeddings", 4096)
+    if raw.get("model_type") != "qwen2" and window is not None and window < top:
+        raise ValueError(f"{name}: sliding_window = {window} below max_position_embeddings = {top} (windowed "
+                         "attention in every layer) is not supported")
+    types = set(raw.get("layer_types") or ["full_attention"])
+    if types != {"full_attention"}:
+        raise ValueError(f"{name}: layer_types {sorted(types)} are not supported (only full_attention)")
 
 
 def _gemma3_fields(raw: dict, name: str) -> dict:

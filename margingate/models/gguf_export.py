@@ -11,7 +11,7 @@ weights; this writes the folder back into a GGUF instead:
   `llama`, Qwen2ForCausalLM as its `qwen2`): written from config.json and the tokenizer files, as
   llama.cpp's convert_hf_to_gguf.py writes them (`gguf_tokenizer.py`). What llama.cpp's llama and
   qwen2 architectures cannot run (Gemma 3) is refused by name. The GGUF holds what our forward
-  computes: plain RoPE at rope_theta (a config's rope_scaling is not written) and no sliding window;
+  computes: plain RoPE at rope_theta (a config with RoPE scaling is refused by name) and no sliding window;
 * tensors: GGUF names and the q/k row order llama.cpp expects for Llama (biases too), the exact
   inverse of the loader's map (`gguf_import.hf_name`, `gguf_import.unpermute`). 2-D tensors are BF16,
   bit for bit, or with `quantize` ("q8_0", "q4_k") the very blocks `LLM(folder, quantize=...)` runs
@@ -199,6 +199,9 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_typ
         raise ValueError(f"{folder}: {cfg.architecture} cannot be exported for llama.cpp: the BF16 GGUF export "
                          f"writes llama.cpp's llama and qwen2 architectures ({', '.join(LLAMA_CPP_ARCHS)}); "
                          "Gemma 3 needs its gemma3 architecture, which it does not write")
+    if cfg.rope_scaling or cfg.rope_freq_factors:
+        raise ValueError(f"{folder}: its RoPE scaling ({cfg.rope_scaling[0] if cfg.rope_scaling else 'rope_freqs'}) "
+                         "is not written by the BF16 GGUF export (plain RoPE only): llama.cpp would run it unscaled")
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(folder.name)

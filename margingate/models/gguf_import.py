@@ -19,6 +19,9 @@ from .gguf_header import check_header
 
 # GGUF (llama.cpp) tensor names -> Hugging Face names; `gguf_export.py` writes the inverse.
 GGUF_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's form of Llama 3's RoPE scaling: one divisor per frequency. It goes to config.json
+# (`rope_freq_factors`, models/rope_scaling.py), not among the weights.
+ROPE_FREQS = "rope_freqs.weight"
 GGUF_LAYER_NAMES = {  # blk.{i}.{kind}.{weight|bias} -> model.layers.{i}.{module}.{weight|bias}
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
@@ -120,7 +123,7 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
     if tensors:
         _write_tensors(parts, paths[0].name, arch, meta, tmp)
     if metadata_too:
-        names = {hf_name(t.name, arch) for r in parts for t in r.tensors}
+        names = {hf_name(t.name, arch) for r in parts for t in r.tensors if t.name != ROPE_FREQS}
         config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
         (tmp / "config.json").write_text(json.dumps({**config, "source_gguf": paths[0].name,
                                                      "margingate_import_version": IMPORT_VERSION}, indent=2))
@@ -148,7 +151,7 @@ def _write_tensors(parts, source: str, arch: str, meta: dict, out: Path) -> None
     from tqdm import tqdm
 
     n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
-    tensors = [t for r in parts for t in r.tensors]
+    tensors = [t for r in parts for t in r.tensors if t.name != ROPE_FREQS]
     shard, size, shards = {}, 0, 0
     for t in tqdm(tensors, desc=f"dequantizing {source} to bf16", unit="tensor"):
         w = bf16_tensor(gguf, t, arch, n_heads, n_kv)
@@ -209,6 +212,8 @@ def load_quantized(paths: list[Path], config: dict) -> dict:
     for path in paths:
         for entry in tensor_table(path, sizes):
             t = RawTensor(gguf, path, entry)
+            if t.name == ROPE_FREQS:  # read into config.json by `convert`
+                continue
             if t.tensor_type.name in TYPES and len(t.shape) == 2:
                 state[hf_name(t.name, arch)] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
             else:
@@ -242,10 +247,23 @@ def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
     }
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
+    config.update(rope_config(get, reader))
     if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
         config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
                       query_pre_attn_scalar=config["head_dim"], hidden_activation="gelu_pytorch_tanh")
     return config
+
+
+def rope_config(get, reader) -> dict:
+    """RoPE scaling as config.json states it: a `rope_freqs` tensor as its factors; linear scaling from
+    the metadata; any other scaling type under its own name, which the config reader refuses."""
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        return {"rope_freq_factors": [float(v) for v in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]}
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    return {"rope_scaling": {"rope_type": str(kind), "factor": float(get("rope.scaling.factor", 1.0))}}
 
 
 def end_tokens(meta: dict, reader) -> int | list[int]:

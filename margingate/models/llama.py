@@ -22,6 +22,7 @@ from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
 from ..kv_cache import KVCache
+from . import rope_scaling
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights, build
 
@@ -62,7 +63,9 @@ class LlamaModel:
         # plain copies in another dtype on first use.
         self.own_weights = build(config, state, self.device, source, packed=not self.triton)
         self._library_weights: dict[torch.dtype, ModelWeights] = {}
-        self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta)
+        scaled = config.rope_scaling or config.rope_freq_factors
+        self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta, rope_scaling.inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None)
         # the sliding-window layers' own RoPE base (Gemma 3)
         self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
                               if any(config.layer_windows) else None)
