@@ -1,4 +1,5 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2 with q/k/v bias, Llama with attention_bias)
+"""The Llama-family forward (Llama, Mistral, Qwen2 with q/k/v bias, Llama with attention_bias, Qwen3 with
+its q/k norms)
 against transformers, on small random-weight models saved as local Hugging Face folders (exact
 control, fast); and the weight name map: missing, stray and misshapen tensors refused by name,
 tied embeddings, attention biases as the config says."""
@@ -28,9 +29,10 @@ def _hf_model(kind: str, tmp_path):
                              "llama-bias": (tf.LlamaConfig, tf.LlamaForCausalLM),
                              "llama-tied": (tf.LlamaConfig, tf.LlamaForCausalLM),
                              "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-                             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[kind]
+                             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[kind]
     torch.manual_seed(0)
-    extra = {"attention_bias": True} if kind == "llama-bias" else {}
+    extra = {"llama-bias": {"attention_bias": True}, "qwen3": {"head_dim": 16}}.get(kind, {})
     tied = kind in ("qwen2", "llama-tied")
     model = model_cls(config_cls(**SHAPE, tie_word_embeddings=tied, **extra)).float().eval()
     with torch.no_grad():
@@ -40,6 +42,10 @@ def _hf_model(kind: str, tmp_path):
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                     if proj.bias is not None:
                         torch.nn.init.normal_(proj.bias, std=0.5)
+        if kind == "qwen3":  # q/k norms away from their initial ones, so that they matter
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
         for p in model.parameters():  # bf16-representable, as the engine holds weights
             p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(tmp_path / kind)
@@ -47,7 +53,7 @@ def _hf_model(kind: str, tmp_path):
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant-kernels", "library-kernels"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "llama-bias", "qwen3"])
 def test_family_matches_transformers(kind, invariant, tmp_path):
     """fp32 activations over bf16 weights, through either kernel set: a 20-token prompt and one
     decode row (exact and batched attention) match transformers' fp32 logits within 1e-4."""
@@ -198,7 +204,7 @@ def _fused_and_layered(model: LlamaModel, tokens: torch.Tensor, positions: torch
     return results
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-bias", "qwen3"])
 def test_compiled_stack_equals_the_layer_by_layer_forward(kind, tmp_path):
     """The whole decoder stack in one compiled call (RoPE, K/V writes and residual adds done in
     C++) gives the Python path's bits: logits and every K/V column, with and without biases,

@@ -26,6 +26,8 @@ ARCHITECTURES = {  # as transformers builds them
     "MistralForCausalLM": Architecture(attention_bias=False, biased=()),
     "Qwen2ForCausalLM": Architecture(attention_bias=True, biased=("qkv",)),
     "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), extra=tuple(EXTRA_LAYER_MAP)),
+    # Qwen3: the Llama layer with q and k RMS-normed per head before RoPE (plain weights, not Gemma's 1 + w)
+    "Qwen3ForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), extra=("q_norm", "k_norm")),
 }
 
 # Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.

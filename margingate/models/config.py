@@ -123,9 +123,9 @@ def _refuse_unimplemented(raw: dict, name: str) -> None:
     for key, allowed in off.items():
         if raw.get(key) not in allowed:
             raise ValueError(f"{name}: {key} = {raw[key]!r} is not supported (only {allowed[0]!r})")
-    # Mistral attends over a window whenever sliding_window is set; Qwen2 only with use_sliding_window (refused)
+    # Mistral attends over a window whenever sliding_window is set; Qwen2 / 3 only with use_sliding_window (refused)
     window, top = raw.get("sliding_window"), raw.get("max_position_embeddings", 4096)
-    if raw.get("model_type") != "qwen2" and window is not None and window < top:
+    if raw.get("model_type") not in ("qwen2", "qwen3") and window is not None and window < top:
         raise ValueError(f"{name}: sliding_window = {window} below max_position_embeddings = {top} (windowed "
                          "attention in every layer) is not supported")
     types = set(raw.get("layer_types") or ["full_attention"])

@@ -33,6 +33,7 @@ GEMMA3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm
                       "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm",
                       "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+QWEN3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 # GGUF general.architecture -> (HF architecture, model_type, layer names, Q/K permuted by llama.cpp).
 # Mistral's GGUF files are written as arch "llama".
@@ -40,6 +41,7 @@ ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", GGUF_LAYER_NAMES, True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", GGUF_LAYER_NAMES, False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_LAYER_NAMES, False),
 }
 # Bump when a conversion's output changes: folders converted by an older version are converted again.
 # 2: no built-in chat template for a GGUF that carries none (a base model).

@@ -155,8 +155,10 @@ class LlamaModel:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         x = ops.rmsnorm(h, L.input_layernorm, cfg.rms_eps)
         q, k, v = ops.linear(x, L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
-        q = rotary.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), *rope)
-        k = rotary.rotate(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), *rope)
+        q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        if L.q_norm is not None:  # Qwen3: q and k RMS-normed per head before RoPE
+            q, k = ops.rmsnorm(q, L.q_norm, cfg.rms_eps), ops.rmsnorm(k, L.k_norm, cfg.rms_eps)
+        q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
         attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale)
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)

@@ -1,4 +1,4 @@
-// The decoder stack in one call (the layer of models/llama.py and models/gemma3.py).
+// The decoder stack in one call (the layer of models/llama.py, with Qwen3's q/k norms, and models/gemma3.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -148,10 +148,11 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
     at::Tensor x, qkv, attn, y, gu, act, qn, kn;
     { Phase p{0}; x = rmsnorm(h, W[ix.ln1], eps, gemma); }
     { Phase p{1}; qkv = linear(x, W[ix.qkv], qs + 2 * kvs, maybe(W[ix.qkv_bias]), false); }
-    if (gemma) {  // q and k normed per head before RoPE
+    const bool qk_norm = W[ix.q_norm].numel() > 0;  // Gemma 3 and Qwen3: q and k normed per head before RoPE
+    if (qk_norm) {
       Phase p{0};
-      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[ix.q_norm], eps, true);
-      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[ix.k_norm], eps, true);
+      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[ix.q_norm], eps, gemma);
+      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[ix.k_norm], eps, gemma);
     }
     {
       Phase p{2};
@@ -159,7 +160,7 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
                           (window ? sin_local : sin).data_ptr<bf16>(), k_cache.data_ptr<bf16>() + li * layer_stride,
                           v_cache.data_ptr<bf16>() + li * layer_stride, lmax};
       const bf16* qkvp = qkv.data_ptr<bf16>();
-      if (gemma) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
+      if (qk_norm) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
       else rotate_and_cache(qkv, qkvp, qs + 2 * kvs, qkvp + qs, qs + 2 * kvs, c, heads, kv_heads, d, q);
     }
     { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
