@@ -130,7 +130,7 @@ def test_fields_at_their_off_values_load():
 
 
 @pytest.mark.parametrize("config_class", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config",
-                                          "Gemma3TextConfig"])
+                                          "Qwen3MoeConfig", "MixtralConfig", "Gemma3TextConfig"])
 def test_every_key_of_transformers_configs_is_used_refused_or_known_to_leave_the_forward_alone(config_class):
     """A transformers release that adds a field fails here until the field is sorted into one of them."""
     keys = set(getattr(tf, config_class)(**SHAPE, rope_scaling=LLAMA3 if config_class == "LlamaConfig" else None)

@@ -6,10 +6,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MoeNames:
+    """Where an MoE layer's tensors live under `model.layers.{i}.`: the router, and per expert e the
+    gate, up and down matrices under `{experts}.{e}.`."""
+    router: str
+    experts: str
+    gate: str
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
 class Architecture:
     attention_bias: bool | None  # fixed by the architecture; None: config.json's `attention_bias` (default false)
     biased: tuple[str, ...]      # our projections that carry a bias when attention_bias holds
     extra: tuple[str, ...] = ()  # layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP)
+    moe: MoeNames | None = None  # a mixture-of-experts MLP (models/moe.py) in its MoE layers
 
 
 # Gemma 3's q/k norms and its norms around the MLP (its post_attention_layernorm norms the
@@ -28,6 +40,10 @@ ARCHITECTURES = {  # as transformers builds them
     "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), extra=tuple(EXTRA_LAYER_MAP)),
     # Qwen3: the Llama layer with q and k RMS-normed per head before RoPE (plain weights, not Gemma's 1 + w)
     "Qwen3ForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), extra=("q_norm", "k_norm")),
+    "Qwen3MoeForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), extra=("q_norm", "k_norm"),
+                                        moe=MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": Architecture(attention_bias=False, biased=(), moe=MoeNames(
+        "block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
 }
 
 # Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.

@@ -11,7 +11,8 @@ from . import rope_scaling
 from .architectures import ARCHITECTURES
 
 # Fields absent from the fingerprint at their defaults, as before they existed: old fingerprints stay.
-OPTIONAL_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar", "rope_scaling", "rope_freq_factors")
+OPTIONAL_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar", "rope_scaling", "rope_freq_factors",
+                   "num_experts", "experts_per_token", "moe_intermediate", "norm_topk", "moe_layers")
 
 # Every key transformers' configs of our architectures hold, by what our forward does with it; a test
 # (tests/test_config_fields.py) fails on a key in none of them, so no field that changes the forward
@@ -22,11 +23,13 @@ READ = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_
         "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
         "max_position_embeddings", "tie_word_embeddings", "attention_bias", "eos_token_id", "layer_types",
         "sliding_window", "_sliding_window_pattern", "sliding_window_pattern", "rope_local_base_freq",
-        "query_pre_attn_scalar", "rope_freq_factors"}
+        "query_pre_attn_scalar", "rope_freq_factors", "num_experts", "num_local_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
 NO_FORWARD = {"_name_or_path", "model_type", "dtype", "torch_dtype", "transformers_version", "bos_token_id",
               "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "pretraining_tp",
               "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
-              "output_hidden_states", "problem_type", "return_dict"}
+              "output_hidden_states", "problem_type", "return_dict", "output_router_logits", "router_aux_loss_coef",
+              "router_jitter_noise"}
 REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window", "max_window_layers",
            "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "partial_rotary_factor"}
 
@@ -56,6 +59,12 @@ class ModelConfig:
     # context) or ("linear", factor) from config.json; or a GGUF's per-frequency divisors (its rope_freqs)
     rope_scaling: tuple = ()
     rope_freq_factors: tuple[float, ...] = ()
+    # Mixture of experts (models/moe.py): the layers whose MLP is one, and its shape
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    norm_topk: bool = False  # the kept weights divided by their sum
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, raw: dict, name: str) -> ModelConfig:
@@ -72,7 +81,8 @@ class ModelConfig:
         else:
             _refuse_unimplemented(raw, name)
             gemma = {"rope_scaling": rope_scaling.parse(raw, name),
-                     "rope_freq_factors": tuple(float(f) for f in raw.get("rope_freq_factors") or ())}
+                     "rope_freq_factors": tuple(float(f) for f in raw.get("rope_freq_factors") or ()),
+                     **_moe_fields(raw, name, architecture)}
         rope = gemma.pop("rope_theta", rope)  # Gemma: the full-attention layers' base
         return cls(
             name=name,
@@ -125,12 +135,34 @@ def _refuse_unimplemented(raw: dict, name: str) -> None:
             raise ValueError(f"{name}: {key} = {raw[key]!r} is not supported (only {allowed[0]!r})")
     # Mistral attends over a window whenever sliding_window is set; Qwen2 / 3 only with use_sliding_window (refused)
     window, top = raw.get("sliding_window"), raw.get("max_position_embeddings", 4096)
-    if raw.get("model_type") not in ("qwen2", "qwen3") and window is not None and window < top:
+    if raw.get("model_type") not in ("qwen2", "qwen3", "qwen3_moe") and window is not None and window < top:
         raise ValueError(f"{name}: sliding_window = {window} below max_position_embeddings = {top} (windowed "
                          "attention in every layer) is not supported")
     types = set(raw.get("layer_types") or ["full_attention"])
     if types != {"full_attention"}:
         raise ValueError(f"{name}: layer_types {sorted(types)} are not supported (only full_attention)")
+
+
+def _moe_fields(raw: dict, name: str, architecture: str) -> dict:
+    """A mixture of experts' shape: every layer's MLP for Mixtral; for Qwen3-MoE every decoder_sparse_step-th
+    layer not in mlp_only_layers. An expert count below 1 or a top-k outside 1..experts is refused."""
+    if ARCHITECTURES[architecture].moe is None:
+        return {}
+    experts, k = raw.get("num_experts", raw.get("num_local_experts")), raw.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{name}: {architecture} needs at least one expert (num_experts = {experts!r})")
+    if not isinstance(k, int) or not 1 <= k <= experts:
+        raise ValueError(f"{name}: num_experts_per_tok = {k!r} must lie in 1..{experts} (the experts)")
+    n = raw["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        return {"num_experts": experts, "experts_per_token": k, "moe_intermediate": raw["intermediate_size"],
+                "norm_topk": True, "moe_layers": tuple(range(n))}
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{name}: decoder_sparse_step = {step!r} must be at least 1")
+    return {"num_experts": experts, "experts_per_token": k, "moe_intermediate": raw["moe_intermediate_size"],
+            "norm_topk": bool(raw.get("norm_topk_prob", False)),
+            "moe_layers": tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)}
 
 
 def _gemma3_fields(raw: dict, name: str) -> dict:

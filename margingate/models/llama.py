@@ -22,7 +22,7 @@ from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
 from ..kv_cache import KVCache
-from . import rope_scaling
+from . import moe, rope_scaling
 from .config import ModelConfig
 from .weights import LayerWeights, ModelWeights, build
 
@@ -133,7 +133,8 @@ class LlamaModel:
     def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
         """The compiled stack covers our kernels with bf16 activations and cache: every forward
         but the library's and LayerCast's fp32 ones."""
-        return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
+        return (self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
+                and not self.config.moe_layers)  # the compiled stack has no MoE block: layer by layer
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
@@ -163,4 +164,6 @@ class LlamaModel:
         attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale)
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
+        if L.experts:
+            return h + moe.moe_mlp(x, L.router, L.experts, cfg.experts_per_token, cfg.norm_topk, ops)
         return h + ops.mlp(x, L.gate_up, L.down_proj)

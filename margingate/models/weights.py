@@ -44,6 +44,7 @@ QuantMatrix.register(GGUFMatrix)
 # packed (or kept quantized) for our kernels, plain for the library's
 Matrix = torch.Tensor | PackedWeight | QuantWeight
 MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")
+PACKED = (*MATRICES, "router")  # our tensors packed for the kernels (an expert's are gate_up and down_proj)
 
 
 @dataclass
@@ -60,10 +61,19 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     pre_feedforward_layernorm: torch.Tensor | None = None
     post_feedforward_layernorm: torch.Tensor | None = None
+    router: Matrix | None = None  # an MoE layer (models/moe.py): its gate, and (gate_up, down_proj) per expert
+    experts: list[tuple[Matrix, Matrix]] | None = None
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
         """Plain tensors in `dtype` (packed matrices unpacked)."""
-        return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)})
+        experts = [(_cast(g, dtype), _cast(d, dtype)) for g, d in self.experts] if self.experts else None
+        return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)
+                                if f.name != "experts"}, experts=experts)
+
+    def matrices(self) -> list[Matrix]:
+        """Every matrix of the layer (an MoE layer's router and experts in place of its MLP)."""
+        ms = [getattr(self, g) for g in MATRICES if getattr(self, g) is not None]
+        return ms + ([self.router, *(m for pair in self.experts for m in pair)] if self.experts else [])
 
 
 @dataclass
@@ -72,6 +82,7 @@ class ModelWeights:
     norm: torch.Tensor
     lm_head: Matrix  # the embedding matrix itself when the model ties them
     layers: list[LayerWeights]
+    experts_per_token: int = 0  # an MoE's top-k (what a decode step reads of its experts)
 
     @property
     def tied(self) -> bool:
@@ -82,7 +93,7 @@ class ModelWeights:
         embed = _cast(self.embed, dtype)
         return ModelWeights(embed=embed, norm=_cast(self.norm, dtype),
                             lm_head=embed if self.tied else _cast(self.lm_head, dtype),
-                            layers=[layer.to(dtype) for layer in self.layers])
+                            layers=[layer.to(dtype) for layer in self.layers], experts_per_token=self.experts_per_token)
 
 
 def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -96,7 +107,7 @@ def _cast(t: Matrix | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def _is_matrix(key: str) -> bool:
     """Whether our tensor `key` is a matrix: a linear's weight, the head or the embedding."""
-    return key.rsplit(".", 1)[-1] in MATRICES or key in ("embed", "lm_head")
+    return key.rsplit(".", 1)[-1] in PACKED or key in ("embed", "lm_head")
 
 
 def matrix_names(config: ModelConfig) -> list[str]:
@@ -113,7 +124,16 @@ def weight_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         names["lm_head"] = (MODEL_MAP["lm_head"] + ".weight",)
     layer_map = LAYER_MAP | {k: EXTRA_LAYER_MAP[k] for k in arch.extra}
     for i in range(config.num_layers):
+        moe = arch.moe if i in config.moe_layers else None
+        if moe:  # its router and experts in place of the MLP
+            names[f"layers.{i}.router"] = (f"model.layers.{i}.{moe.router}.weight",)
+            for e in range(config.num_experts):
+                base = f"model.layers.{i}.{moe.experts}.{e}."
+                names[f"layers.{i}.experts.{e}.gate_up"] = (base + moe.gate + ".weight", base + moe.up + ".weight")
+                names[f"layers.{i}.experts.{e}.down_proj"] = (base + moe.down + ".weight",)
         for ours, modules in layer_map.items():
+            if moe and ours in ("gate_up", "down_proj"):
+                continue
             full = [f"model.layers.{i}.{m}" for m in modules]
             names[f"layers.{i}.{ours}"] = tuple(m + ".weight" for m in full)
             if config.attention_bias and ours in arch.biased:
@@ -127,6 +147,11 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     module, kind = name.rsplit(".", 1)
     module = module.rsplit(".", 1)[-1]
+    if ".experts." in name:  # an expert's gate and up (w1, w3), or its down (w2)
+        moe = config.moe_intermediate
+        return (hidden, moe) if module in ("down_proj", "w2") else (moe, hidden)
+    if module == "gate":  # an MoE router
+        return (config.num_experts, hidden)
     out, inp = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
                 "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
                 "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden),
@@ -197,7 +222,14 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
                 return quant_weight(codes, contract)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
-        return pack_(t) if key.rsplit(".", 1)[-1] in MATRICES else t
+        return pack_(t) if key.rsplit(".", 1)[-1] in PACKED else t
+
+    def experts(i: int) -> dict:
+        if i not in config.moe_layers:
+            return {}
+        return {"router": get(f"layers.{i}.router"), "experts": [
+            (get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
+            for e in range(config.num_experts)]}
 
     embed = get("embed")
     layers = [LayerWeights(
@@ -206,26 +238,34 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         gate_up=get(f"layers.{i}.gate_up"), down_proj=get(f"layers.{i}.down_proj"),
         input_layernorm=get(f"layers.{i}.input_layernorm"),
         post_attention_layernorm=get(f"layers.{i}.post_attention_layernorm"),
-        **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP},
+        **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP}, **experts(i),
     ) for i in range(config.num_layers)]
     lm_head = embed if config.tie_embeddings else get("lm_head")
     lm_head = lm_head if isinstance(lm_head, QuantWeight) else pack_(lm_head)
     if config.tie_embeddings:  # a tied model's embedding rows are read from its packed head
         embed = lm_head
-    return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers)
+    return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers,
+                        experts_per_token=config.experts_per_token)
 
 
 def streamed_bytes(weights: ModelWeights) -> int:
     """The bytes a decode step reads for the linears and the head, as stored (bf16, or kept quantized)."""
     def size(m) -> int:
         return m.data.numel() if isinstance(m, QuantWeight) else 2 * m.shape[0] * m.shape[-1]
-    return sum(size(getattr(L, g)) for L in weights.layers for g in MATRICES) + size(weights.lm_head)
+
+    def layer(L: LayerWeights) -> float:  # an MoE layer reads its router and, per row, k of its experts
+        dense = sum(size(getattr(L, g)) for g in MATRICES if getattr(L, g) is not None)
+        if not L.experts:
+            return dense
+        share = weights.experts_per_token / len(L.experts)
+        return dense + size(L.router) + share * sum(size(m) for pair in L.experts for m in pair)
+    return int(sum(layer(L) for L in weights.layers)) + size(weights.lm_head)
 
 
 def quantized_contract(weights: ModelWeights) -> str | None:
     """The contract the kept-quantized matrices run under ("int8" or "exact"; "int8+exact" never happens
     from one load), or None where every matrix is bf16: what the reports and /health name."""
-    ms = [getattr(L, g) for L in weights.layers for g in MATRICES] + [weights.lm_head]
+    ms = [m for L in weights.layers for m in L.matrices()] + [weights.lm_head]
     found = dict.fromkeys(m.contract for m in ms if isinstance(m, QuantWeight))
     return "+".join(found) or None
 
@@ -236,6 +276,9 @@ def weight_formats(weights: ModelWeights) -> dict[str, str]:
     def kinds(ms) -> str:
         found = dict.fromkeys(f for m in ms for f in (m.formats if isinstance(m, QuantWeight) else ("bf16",)))
         return "+".join(found)
-    groups = {g: [getattr(L, g) for L in weights.layers] for g in MATRICES}
+    groups = {g: [getattr(L, g) for L in weights.layers if getattr(L, g) is not None] for g in MATRICES}
+    experts = [m for L in weights.layers if L.experts for m in L.matrices()[2:]]  # router and experts
+    if experts:
+        groups["experts"] = experts
     return {**{g: kinds(ms) for g, ms in groups.items()}, "lm_head": kinds([weights.lm_head]),
             "embed": kinds([weights.embed])}
