@@ -3,7 +3,8 @@
     python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force] [--base DIR]
 
 Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
-(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head. No hub is
+(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; the Qwen3-MoE ones
+(moe-tiny, moe-a1b) in SIZES' comment. No hub is
 reachable here, so the vocabulary, tokenizer files, bos/eos ids, rope_theta, rms_norm_eps and
 context length are the embedded SmolLM2-135M's (vocab 49152; rope_theta 100000, not Llama 3's
 500000: a speed run does not care, and the folder then says nothing the embedded model does not).
@@ -27,7 +28,13 @@ SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
     "1b": (2048, 8192, 16, 32, 8, 64),
     "8b": (4096, 14336, 32, 32, 8, 128),
     "tiny": (256, 512, 2, 4, 2, 64),  # for the tests only: seconds to write and load
+    # Qwen3-MoE shapes (q/k norms; every layer's MLP a mixture of experts): the experts' count, top-k and
+    # intermediate size in MOE. Qwen3-30B-A3B itself (48 layers of 128 experts) is 61 GB in bf16, past this
+    # machine's 24 GiB: "moe-a1b" keeps its hidden size, heads, top-8 and expert width with 16 layers of 64.
+    "moe-tiny": (256, 512, 2, 4, 2, 64),
+    "moe-a1b": (2048, 6144, 16, 32, 4, 128),
 }
+MOE = {"moe-tiny": (8, 2, 128), "moe-a1b": (64, 8, 768)}  # experts, experts per token, expert intermediate
 SHARD_BYTES = 2 * 10**9
 STD = 0.02
 # The embedded model's files that are not its tokenizer (weights are matched by suffix).
@@ -38,6 +45,12 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
     """config.json: the shape of `size`; vocabulary, special ids, RoPE base and norm epsilon of `base`
     (the embedded model's config.json)."""
     hidden, inter, n_layers, heads, kv, head_dim = SIZES[size]
+    moe = {}
+    if size in MOE:
+        experts, k, moe_inter = MOE[size]
+        moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
+               "num_experts_per_tok": k, "moe_intermediate_size": moe_inter, "norm_topk_prob": True,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
         "vocab_size": base["vocab_size"], "hidden_size": hidden, "intermediate_size": inter,
@@ -46,6 +59,7 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
         "rope_theta": base["rope_theta"], "rms_norm_eps": base["rms_norm_eps"],
         "max_position_embeddings": base.get("max_position_embeddings", 8192),
         "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
+        **moe,
     }
 
 
@@ -59,9 +73,18 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
         out += [(p + "input_layernorm.weight", (hidden,)),
                 (p + "self_attn.q_proj.weight", (q, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
                 (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, q)),
-                (p + "post_attention_layernorm.weight", (hidden,)),
-                (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                (p + "mlp.down_proj.weight", (hidden, inter))]
+                (p + "post_attention_layernorm.weight", (hidden,))]
+        if "num_experts" not in cfg:
+            out += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                    (p + "mlp.down_proj.weight", (hidden, inter))]
+            continue
+        moe = cfg["moe_intermediate_size"]
+        out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,)),
+                (p + "mlp.gate.weight", (cfg["num_experts"], hidden))]
+        for e in range(cfg["num_experts"]):
+            x = f"{p}mlp.experts.{e}."
+            out += [(x + "gate_proj.weight", (moe, hidden)), (x + "up_proj.weight", (moe, hidden)),
+                    (x + "down_proj.weight", (hidden, moe))]
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (cfg["vocab_size"], hidden))]
 
 
@@ -161,7 +184,7 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b}")
+    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,moe-a1b,moe-tiny}")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -111,3 +111,22 @@ def test_generates_through_the_facade(tiny):
         with torch.inference_mode():
             top = hf(ids).logits[0, -1].topk(3).indices.tolist()
         assert c.token_ids[0] in top, (p.text, c.token_ids, top)
+
+
+def test_moe_shapes_are_qwen3_moes_that_load(script, model_dir, tmp_path):
+    """moe-tiny is written and read as a Qwen3-MoE (its router and experts where the loader's map wants
+    them); moe-a1b has Qwen3-30B-A3B's expert width, top-8 and attention, at 16 layers of 64 experts."""
+    from margingate.models.loader import load_config
+
+    folder = script.make("moe-tiny", tmp_path / "moe", seed=1, progress=False)
+    cfg = load_config(folder)
+    assert (cfg.architecture, cfg.num_experts, cfg.experts_per_token, cfg.moe_layers) == (
+        "Qwen3MoeForCausalLM", 8, 2, (0, 1))
+    script.verify(folder)
+    big = script.config("moe-a1b", _base(model_dir))
+    plan = dict(script.tensors(big))
+    assert plan["model.layers.15.mlp.experts.63.down_proj.weight"] == (2048, 768)
+    assert plan["model.layers.0.mlp.gate.weight"] == (64, 2048) and big["num_experts_per_tok"] == 8
+    per_layer = sum(torch.Size(s).numel() for n, s in plan.items() if n.startswith("model.layers.0."))
+    attention, norms = 2048 * (4096 + 2 * 512 + 4096), 2 * 2048 + 2 * 128  # q, k, v, o; two norms, q/k norms
+    assert per_layer == 64 * 3 * 2048 * 768 + 64 * 2048 + attention + norms
