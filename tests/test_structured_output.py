@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from margingate.data.prompts import Prompt
 from margingate.engine import Request
@@ -149,3 +150,23 @@ def test_bad_constraints_are_a_400_naming_the_field_and_the_server_goes_on(http,
     assert r.json()["error"]["param"] == param, r.json()
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_grammar_error_clears_when_the_refused_token_is_rolled_back(llm):
+    """A token the grammar refuses leaves only the stop tokens allowed; once a repair or a rollback takes
+    that token back, the grammar follows the corrected tokens and allows what it allowed before (the
+    error never outlives its token: issue 47)."""
+    matcher = llm.grammars.matcher(StructuredOutput(json=PERSON))
+    stop = frozenset(llm.config.eos_token_ids)
+    start = matcher.allowed([], stop).clone()
+    opening = int(start.nonzero()[0])  # a token the schema allows first
+    after = matcher.allowed([opening], stop).clone()
+    refused = int((~after).nonzero()[-1])
+    assert after.sum() > len(stop)
+    only_stop = matcher.allowed([opening, refused], stop)
+    assert matcher.error is not None and int(only_stop.sum()) <= len(stop)
+    assert matcher.allowed([opening, refused, opening], stop).sum() == only_stop.sum()  # still in error
+    assert torch.equal(matcher.allowed([opening], stop), after) and matcher.error is None  # taken back
+    assert torch.equal(matcher.allowed([], stop), start)
+    matcher.allowed([opening, int(after.nonzero()[0])], stop)  # an allowed token goes on without an error
+    assert matcher.error is None

@@ -67,9 +67,11 @@ class Matcher:
 
     def __init__(self, matcher, vocab_size: int):
         self.ll, self.vocab_size = matcher, vocab_size
+        self._start = matcher.deep_copy()  # the grammar's start, for starting over (reset keeps an error)
         self.consumed: list[int] = []
         self._mask: torch.Tensor | None = None  # the mask after `consumed`, once computed
         self.error: str | None = None
+        self._error_at = 0  # with an error: how many tokens of `consumed` the grammar took before it
 
     def _follow(self, tokens: list[int]) -> None:
         common = 0
@@ -78,12 +80,19 @@ class Matcher:
                 break
             common += 1
         if common < len(self.consumed):
-            self.ll.rollback(len(self.consumed) - common)
-            del self.consumed[common:]
+            if self.error is not None and common <= self._error_at:
+                # the refused token is rolled back (a repair, a rollback, a replay): the error goes with it,
+                # and the grammar follows the tokens again from its start (a matcher in error cannot roll back)
+                self.ll = self._start.deep_copy()
+                self.consumed, self.error, common = [], None, 0
+            elif self.error is None:
+                self.ll.rollback(len(self.consumed) - common)
+            del self.consumed[common:]  # in error past _error_at, the grammar took none of these
             self._mask = None
         for token in tokens[common:]:
             if self.error is None and not self.ll.consume_token(token):
                 self.error = self.ll.get_error() or f"token {token} is outside the grammar"
+                self._error_at = len(self.consumed)
             self.consumed.append(token)
             self._mask = None
 
@@ -92,7 +101,7 @@ class Matcher:
         resource limit, a token it refused) allows only the stop tokens: the request ends, alone."""
         self._follow(tokens)
         if self.error is None and self.ll.is_error():
-            self.error = self.ll.get_error()
+            self.error, self._error_at = self.ll.get_error(), len(self.consumed)
         if self.error is not None:
             only = torch.zeros(self.vocab_size, dtype=torch.bool)
             only[[t for t in stop_ids if t < self.vocab_size]] = True
