@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "isa.h"
+#include "quant_codes.h"
 
 namespace mg {
 namespace {
@@ -58,6 +59,16 @@ inline void row_tiles(int64_t m, F tile) {
   int64_t r = 0;
   for (; r + R <= m; r += R) tile(std::integral_constant<int, R>{}, r);
   if (r < m) row_tail<R - 1>(m - r, r, tile);
+}
+
+// A kernel's tiles for q's layout: tile(QuantFormat<bits, offset>{}, std::integral_constant<int, group>{}),
+// groups being 16 or 32 k (quant.cpp checks).
+template <class F>
+inline void by_layout(const QuantPart& q, F tile) {
+  by_format(q, [&](auto f) {
+    if (q.group == 16) tile(f, std::integral_constant<int, 16>{});
+    else tile(f, std::integral_constant<int, 32>{});
+  });
 }
 
 // One quad's 64 codes: lo = columns 0-7, hi = columns 8-15, each 32-bit lane a column's 4 k.

@@ -85,14 +85,10 @@ void linear_int8_amx(const Int8Rows& x, const QuantPart& q, int64_t panel, float
   // sums would not fit), run on the VNNI kernel, the same bits by the contract.
   const int64_t whole = q.bits == 8 && !q.s && q.block <= 256 ? x.m / kTileRows * kTileRows : 0;
   if (whole) {
-    configure(int(q.group));  // tile state is per thread; groups are 16 or 32 k (quant.cpp checks)
-    by_format(q, [&](auto f) {
-      constexpr int kBits = decltype(f)::kBits;
-      constexpr bool kOffset = decltype(f)::kOffset;
-      for (int64_t r0 = 0; r0 < whole; r0 += kTileRows) {
-        if (q.group == 16) tile16<kBits, kOffset, 16>(x, r0, q, panel, acc, ldacc);
-        else tile16<kBits, kOffset, 32>(x, r0, q, panel, acc, ldacc);
-      }
+    configure(int(q.group));  // tile state is per thread
+    by_layout(q, [&](auto f, auto group) {
+      for (int64_t r0 = 0; r0 < whole; r0 += kTileRows)
+        tile16<decltype(f)::kBits, decltype(f)::kOffset, decltype(group)::value>(x, r0, q, panel, acc, ldacc);
     });
     _tile_release();
   }

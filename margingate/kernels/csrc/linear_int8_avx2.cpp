@@ -114,19 +114,14 @@ void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, floa
   }
 }
 
-template <int Bits, bool Offset, int Group>
-void rows(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  row_tiles<kRows>(x.m, [&](auto n, int64_t r0) { tile<Bits, Offset, Group, decltype(n)::value>(x, r0, q, panel, acc, ldacc); });
-}
-
 }  // namespace
 
 void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
-  by_format(q, [&](auto f) {  // groups are 16 or 32 k (quant.cpp checks)
-    constexpr int kBits = decltype(f)::kBits;
-    constexpr bool kOffset = decltype(f)::kOffset;
-    if (q.group == 16) rows<kBits, kOffset, 16>(x, q, panel, acc, ldacc);
-    else rows<kBits, kOffset, 32>(x, q, panel, acc, ldacc);
+  by_layout(q, [&](auto f, auto group) {
+    row_tiles<kRows>(x.m, [&](auto n, int64_t r0) {
+      tile<decltype(f)::kBits, decltype(f)::kOffset, decltype(group)::value, decltype(n)::value>(x, r0, q, panel, acc,
+                                                                                                 ldacc);
+    });
   });
 }
 
