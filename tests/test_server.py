@@ -348,3 +348,24 @@ def test_metrics_exposition(http):
                  "prefix_cache_tokens"):
         assert f"margingate_{name}" in text, name
     assert 'margingate_http_requests_total{code="400",route="/v1/completions"}' in text
+
+
+def test_fields_sdks_send_are_accepted_and_do_what_they_say(http):
+    """store, metadata, service_tier, prompt_cache_key and safety_identifier change no token here and are
+    accepted (clients send them unasked); `developer` is the system role under its newer name (the same
+    tokens); max_completion_tokens bounds a completion too (issue 47)."""
+    sdk = {"store": False, "metadata": {"run": "eval-7"}, "service_tier": "auto", "prompt_cache_key": "k1",
+           "safety_identifier": "u-1"}
+    replies = {}
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": "Answer in one word."}, *chat("What colour is the sky?")]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 6,
+                                                    "temperature": 0, **sdk})
+        assert r.status_code == 200, r.text
+        replies[role] = r.json()["choices"][0]["message"]["content"]
+    assert replies["developer"] == replies["system"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "The sea is", "max_completion_tokens": 3,
+                                           "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 3})
+    assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]

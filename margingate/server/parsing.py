@@ -171,8 +171,7 @@ def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
     if room >= 1 and max_tokens > room:
         raise BadRequest(f"max_tokens={max_tokens} does not fit: the prompt has {n_prompt} tokens and the "
                          f"context {max_len} positions, so at most {room} new tokens",
-                         param="max_completion_tokens" if kind == "chat" and
-                         params.max_completion_tokens is not None else "max_tokens")
+                         param="max_completion_tokens" if params.max_completion_tokens is not None else "max_tokens")
     return max_tokens
 
 

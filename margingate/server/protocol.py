@@ -131,7 +131,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     # extra keys clients send along (name, refusal: null, ...) are ignored
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None   # an assistant's calls, sent back
     tool_call_id: str | None = None            # a tool's answer: to which call
@@ -163,6 +163,7 @@ class _Common(ConstraintFields):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)  # the newer name, either endpoint
     temperature: float | None = Field(default=None, allow_inf_nan=False)
     top_p: float | None = Field(default=None, allow_inf_nan=False)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -174,6 +175,13 @@ class _Common(ConstraintFields):
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # What SDKs send that changes no token here (this server stores nothing, has one tier, caches prompts by
+    # their tokens): accepted so that clients run unchanged, as vLLM does (its #10463).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # extensions
     top_k: int | None = None
     min_p: float | None = Field(default=None, allow_inf_nan=False)
@@ -190,6 +198,16 @@ class _Common(ConstraintFields):
         if v not in accepted:
             raise ValueError(message.format(v=v))
         return v
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        return self
+
+    def tokens_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @field_validator("logit_bias")
     @classmethod
@@ -243,9 +261,6 @@ class _Common(ConstraintFields):
     def streaming(self) -> bool:
         return bool(self.stream)
 
-    def tokens_limit(self) -> int | None:
-        return self.max_tokens
-
 
 class CompletionRequest(_Common):
     prompt: Any
@@ -298,7 +313,6 @@ def _one_prompt(v):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -307,17 +321,11 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _limits(self):
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
         if self.max_tokens == 0:
             raise ValueError("max_tokens: must be >= 1 for chat")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         return self
-
-    def tokens_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_options(self) -> dict:
         return {**super().sampling_options(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}

@@ -95,7 +95,7 @@ def message_dicts(params, tool_format: str | None) -> list[dict]:
     """The chat's messages as the template gets them: tool calls and tool answers included."""
     out = []
     for m in params.messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             calls = [{"name": c.function.name, "parameters": _arguments(c.function.arguments)} for c in m.tool_calls]
             if tool_format is None:  # written as the model wrote them (`required`'s array)
