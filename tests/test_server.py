@@ -369,3 +369,12 @@ def test_fields_sdks_send_are_accepted_and_do_what_they_say(http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 3})
     assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+
+
+def test_cached_tokens_never_exceed_the_prompt_with_n_samples(http):
+    """n samples share one prefill: the siblings' forks of it are not counted again (issue 47)."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("Name three rivers."), "n": 3,
+                                                "temperature": 0.8, "seed": 1, "max_tokens": 3})
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage

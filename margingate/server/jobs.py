@@ -89,9 +89,16 @@ def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
     prompts = {c.prompt_index: len(c.request.prompt_ids) for c in job.choices}
     n_prompt, n_out = sum(prompts.values()), sum(len(o.ids) for o in outcomes.values())
     out = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-    results = [o.result for o in outcomes.values() if o.result is not None]
-    if results:  # as OpenAI reports it: prompt positions served from the prefix cache (or a sibling)
-        out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in results)}
+    # As OpenAI reports it: prompt positions served from the prefix cache, once per prompt (the choice that
+    # prefilled it: its n samples share that prefill, so their forks are no second saving, and the count
+    # never exceeds prompt_tokens).
+    cached: dict[int, int] = {}
+    for c in job.choices:
+        result = outcomes[c.index].result if c.index in outcomes else None
+        if result is not None:
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, result.cached_tokens), result.cached_tokens)
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
     return out
 
 
