@@ -14,6 +14,8 @@ never depends on the order the engine asked for it in.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -28,32 +30,41 @@ class Grammars:
         self.hf_tokenizer, self.vocab_size, self.cache_size = hf_tokenizer, vocab_size, cache_size
         self._tokenizer = None
         self._compiled: dict[tuple[str, str], str] = {}
+        # The server's request threads compile while the engine thread reads: the cache and the tokenizer's
+        # one-time build are guarded (two evictions at once were a KeyError, a 500: issue 47). Compiling
+        # itself runs outside the lock: it is a pure function of the constraint.
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            return self._tokenizer
 
     def compile(self, constraint: StructuredOutput) -> str:
         """llguidance's grammar for the constraint, checked; raises StructuredError naming its field."""
         import llguidance
 
         key = constraint.source()
-        if key not in self._compiled:
-            try:
-                grammar = llguidance.grammar_from(*key)
-            except (ValueError, TypeError) as exc:
-                raise StructuredError(constraint.option, f"{constraint.option}: {exc}") from None
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-            if error and not error.startswith("WARNING"):
-                raise StructuredError(constraint.option, f"{constraint.option} does not compile: {error}")
-            if len(self._compiled) >= self.cache_size:
+        with self._lock:
+            grammar = self._compiled.get(key)
+        if grammar is not None:
+            return grammar
+        try:
+            grammar = llguidance.grammar_from(*key)
+        except (ValueError, TypeError) as exc:
+            raise StructuredError(constraint.option, f"{constraint.option}: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise StructuredError(constraint.option, f"{constraint.option} does not compile: {error}")
+        with self._lock:
+            if key not in self._compiled and len(self._compiled) >= self.cache_size:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[key] = grammar
-        return self._compiled[key]
+        return grammar
 
     def matcher(self, constraint: StructuredOutput) -> Matcher:
         import llguidance
