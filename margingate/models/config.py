@@ -17,7 +17,8 @@ OPTIONAL_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar",
 # Every key transformers' configs of our architectures hold, by what our forward does with it; a test
 # (tests/test_config_fields.py) fails on a key in none of them, so no field that changes the forward
 # is ignored without a word. READ: from_hf uses it. NO_FORWARD: bookkeeping, generation or training
-# only (dropout is off at inference; pretraining_tp only splits a matmul). REFUSED: a feature we do not
+# only (dropout is off at inference; pretraining_tp only splits a matmul; max_window_layers acts only with
+# use_sliding_window, which is refused). REFUSED: a feature we do not
 # implement, refused by name unless it is off (_refuse_unimplemented; Gemma 3's in _gemma3_fields).
 READ = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
@@ -29,8 +30,8 @@ NO_FORWARD = {"_name_or_path", "model_type", "dtype", "torch_dtype", "transforme
               "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "pretraining_tp",
               "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
               "output_hidden_states", "problem_type", "return_dict", "output_router_logits", "router_aux_loss_coef",
-              "router_jitter_noise"}
-REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window", "max_window_layers",
+              "router_jitter_noise", "max_window_layers"}
+REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window",
            "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "partial_rotary_factor"}
 
 

@@ -70,10 +70,13 @@ class LayerWeights:
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)
                                 if f.name != "experts"}, experts=experts)
 
+    def moe_matrices(self) -> list[Matrix]:
+        """An MoE layer's router and its experts' matrices (none for a dense layer)."""
+        return [self.router, *(m for pair in self.experts for m in pair)] if self.experts else []
+
     def matrices(self) -> list[Matrix]:
         """Every matrix of the layer (an MoE layer's router and experts in place of its MLP)."""
-        ms = [getattr(self, g) for g in MATRICES if getattr(self, g) is not None]
-        return ms + ([self.router, *(m for pair in self.experts for m in pair)] if self.experts else [])
+        return [getattr(self, g) for g in MATRICES if getattr(self, g) is not None] + self.moe_matrices()
 
 
 @dataclass
@@ -277,7 +280,8 @@ def weight_formats(weights: ModelWeights) -> dict[str, str]:
         found = dict.fromkeys(f for m in ms for f in (m.formats if isinstance(m, QuantWeight) else ("bf16",)))
         return "+".join(found)
     groups = {g: [getattr(L, g) for L in weights.layers if getattr(L, g) is not None] for g in MATRICES}
-    experts = [m for L in weights.layers if L.experts for m in L.matrices()[2:]]  # router and experts
+    groups = {g: ms for g, ms in groups.items() if ms}  # an all-MoE model has no dense gate_up or down_proj
+    experts = [m for L in weights.layers for m in L.moe_matrices()]
     if experts:
         groups["experts"] = experts
     return {**{g: kinds(ms) for g, ms in groups.items()}, "lm_head": kinds([weights.lm_head]),

@@ -171,9 +171,8 @@ Int8Path& chosen() {
   }();
   if (!best) {
     std::string all;
-    for (Int8Path& p : int8_paths)
-      all += std::string(all.empty() ? "" : "; ") + p.name + ": " +
-             (!p.built ? "not built" : !p.cpu() ? "cpu lacks it" : proof(p));
+    for (const auto& row : int8_proofs())  // name, status, the refused path's first difference
+      all += (all.empty() ? "" : "; ") + row[0] + ": " + (row[1] == "refused" ? row[2] : row[1]);
     TORCH_CHECK(false, "margingate: no int8 linear path passed its load-time proof on this CPU (", all,
                 "); load the file with --weights exact or bf16");
   }
