@@ -108,6 +108,10 @@ def _hf_folder(kind: str, out, model_dir):
     cfg_cls, model_cls, extra = {
         "llama-bias": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(attention_bias=True, tie_word_embeddings=False)),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=16, tie_word_embeddings=False)),
+        "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(cfg_cls(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -115,15 +119,15 @@ def _hf_folder(kind: str, out, model_dir):
                               rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):  # transformers starts them at zero: the row order would not show
-                torch.nn.init.normal_(p, std=0.5)
+            if name.endswith("bias") or "norm" in name:  # transformers starts them at 0 or 1: no order shows
+                torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.5)
     model.to(torch.bfloat16).save_pretrained(str(out))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(model_dir / f, out / f)
     return out
 
 
-@pytest.fixture(scope="module", params=["script-tiny", "llama-bias", "qwen2"])
+@pytest.fixture(scope="module", params=["script-tiny", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
 def plain(request, model_dir, tmp_path_factory):
     """(folder, its exported GGUF read back): a folder of no embedded GGUF (no `source_gguf`)."""
     import importlib.util
@@ -159,9 +163,12 @@ def test_plain_folder_metadata_is_its_config_and_tokenizer(plain, embedded_token
 
     folder, reader = plain
     assert source_gguf(folder) is None
+    from margingate.models.gguf_export import LLAMA_CPP_ARCHS
+    from margingate.models.gguf_names import ARCHS
+
     cfg = load_config(folder)
     arch = reader.fields["general.architecture"].contents()
-    assert arch == ("qwen2" if cfg.architecture == "Qwen2ForCausalLM" else "llama")
+    assert arch == ARCHS[LLAMA_CPP_ARCHS[cfg.architecture]].meta
     meta = {k: f.contents() for k, f in reader.fields.items()}
     assert meta["general.file_type"] == FILE_TYPE_BF16
     assert (meta[f"{arch}.block_count"], meta[f"{arch}.embedding_length"], meta[f"{arch}.feed_forward_length"],
@@ -170,6 +177,10 @@ def test_plain_folder_metadata_is_its_config_and_tokenizer(plain, embedded_token
         cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
         cfg.max_position, cfg.vocab_size, cfg.head_dim)
     assert meta[f"{arch}.rope.freq_base"] == pytest.approx(cfg.rope_theta)
+    if cfg.num_experts:
+        assert (meta[f"{arch}.expert_count"], meta[f"{arch}.expert_used_count"]) == (4, 2)
+        if arch == "qwen3moe":
+            assert meta[f"{arch}.expert_feed_forward_length"] == cfg.moe_intermediate == 32
     assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg.rms_eps)
     # The embedded tokenizer's files give the tokenizer llama.cpp's converter wrote into the embedded GGUF.
     for key in TOKENIZER_KEYS:
@@ -178,7 +189,8 @@ def test_plain_folder_metadata_is_its_config_and_tokenizer(plain, embedded_token
 
 
 def test_plain_folder_tensors_are_its_weights_in_llama_cpps_layout(plain):
-    from margingate.models.gguf_export import gguf_name, permute, read_tensor
+    from margingate.models.gguf_export import LLAMA_CPP_ARCHS, read_tensor
+    from margingate.models.gguf_names import ARCHS, gguf_name, permute
     from margingate.models.loader import load_config, load_state_dict
 
     folder, reader = plain
@@ -187,10 +199,12 @@ def test_plain_folder_tensors_are_its_weights_in_llama_cpps_layout(plain):
     if cfg.tie_embeddings:
         assert "output.weight" not in {t.name for t in reader.tensors}
         ours.pop("lm_head.weight", None)
-    assert sorted(t.name for t in reader.tensors) == sorted(gguf_name(k) for k in ours)
-    llama = cfg.architecture != "Qwen2ForCausalLM"  # llama.cpp's llama interleaves q/k rows; qwen2 does not
+    arch = LLAMA_CPP_ARCHS[cfg.architecture]
+    assert sorted(t.name for t in reader.tensors) == sorted({gguf_name(k, arch) for k in ours})
+    llama = ARCHS[arch].permuted  # llama.cpp's llama interleaves q/k rows; qwen2 and qwen3 do not
     for t in reader.tensors:
-        want = ours[next(k for k in ours if gguf_name(k) == t.name)]
+        # a mixture's experts stacked in expert order, one tensor per matrix
+        want = torch.stack([ours[k] for k in ours if gguf_name(k, arch) == t.name]).squeeze(0)
         if llama and ".attn_q." in t.name:
             want = permute(want, cfg.num_heads)
         elif llama and ".attn_k." in t.name:
@@ -298,3 +312,33 @@ def test_a_tokenizer_that_is_not_byte_level_bpe_is_refused(tmp_path):
         "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581"}, "decoder": {"type": "Sequence"}}))
     with pytest.raises(ValueError, match="not a byte-level"):
         add_tokenizer(None, tmp_path, 1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral"])
+def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(kind, model_dir, tmp_path, monkeypatch):
+    """A mixture of experts written as a Q8_0 GGUF (experts stacked, as llama.cpp reads them) loads with
+    its experts kept quantized, one GGUFMatrix per expert, and gives the tokens and logprobs of the folder
+    quantized at load, bitwise. Control: the bf16 folder's logprobs differ."""
+    from margingate.llm import LLM
+    from margingate.models import loader
+    from margingate.models.gguf_export import write_gguf
+    from margingate.options import SamplingParams
+
+    folder = _hf_folder(kind, tmp_path / kind, model_dir)
+    out = write_gguf(folder, tmp_path / f"{kind}.q8_0.gguf", quantize="q8_0")
+    stacked = [t for t in gguf.GGUFReader(str(out)).tensors if t.name.endswith("_exps.weight")]
+    assert stacked and all(t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and t.shape[-1] == 4 for t in stacked)
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
+    at_load, from_file, plain = (LLM(str(folder), quantize="q8_0", max_batch_size=4), LLM(str(out), max_batch_size=4),
+                                 LLM(str(folder), max_batch_size=4))
+    assert from_file.environment()["weights"]["experts"] == at_load.environment()["weights"]["experts"] == "q8_0"
+    prompts, params = ["The capital of France is", "1, 2, 3,", "Once upon a time"], SamplingParams(logprobs=2)
+
+    def run(m, batch):
+        policy = m.policy("reference")
+        outs = m.generate(prompts, max_new_tokens=8, policy=policy, sampling=params) if batch else \
+            [m.generate([p], max_new_tokens=8, policy=policy, sampling=params)[0] for p in prompts]
+        return [(c.token_ids, c.logprobs) for c in outs]
+    want = run(at_load, batch=False)
+    assert run(from_file, batch=True) == run(from_file, batch=False) == want
+    assert [lp for _, lp in run(plain, batch=False)] != [lp for _, lp in want]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from margingate.kv_cache import KVCache
-from margingate.models import loader, named
+from margingate.models import gguf_import, loader, named
 from margingate.models.gguf_export import permute
 from margingate.models.llama import AttentionPlan, LlamaModel
 
@@ -147,7 +147,8 @@ def test_gguf_file_loads_as_its_source(arch, qtype, parts, tmp_path, cache):
         (folder / "written-by-an-older-importer.txt").write_text("stale")
         assert loader.resolve_model_dir(str(paths[0])) == folder
         assert not (folder / "written-by-an-older-importer.txt").exists()
-        assert json.loads((folder / "config.json").read_text())["margingate_import_version"] == 2
+        version = json.loads((folder / "config.json").read_text())["margingate_import_version"]
+        assert version == gguf_import.IMPORT_VERSION
 
 
 def test_split_gguf_needs_every_part(tmp_path, cache):

@@ -32,13 +32,12 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .gguf_import import ARCHS, GGUF_LAYER_NAMES, GGUF_MODEL_NAMES, hf_name
+from .gguf_names import ARCHS, expert_names, gguf_name, hf_name, permute
 from .gguf_tokenizer import add_tokenizer
 from .loader import EMBEDDED, embedded_gguf_path, load_config
 from .quantize import block_type, quantize_rows
@@ -47,18 +46,11 @@ from .weights import WeightsError
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16 ("except 1d tensors")
 # general.file_type by --quantize: MOSTLY_Q8_0; MOSTLY_Q4_K_S, llama.cpp's name for Q4_K wherever it fits
 FILE_TYPES = {None: FILE_TYPE_BF16, "q8_0": 7, "q4_k": 14}
-# HF architecture -> the llama.cpp architecture that runs it (convert_hf_to_gguf.py writes Mistral as llama).
-LLAMA_CPP_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_HF_MODEL = {v: k for k, v in GGUF_MODEL_NAMES.items()}
-_HF_LAYER = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+# HF architecture -> our key of the llama.cpp architecture that runs it (gguf_names.ARCHS; convert_hf_to_gguf.py
+# writes Mistral as llama, and Mixtral as llama with experts).
+LLAMA_CPP_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
 _SKIPPED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; the forward recomputes them
-
-
-def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Hugging Face q/k rows -> llama.cpp's (the rotary halves of each head interleaved; bias rows
-    alike); the inverse of `gguf_import.unpermute`."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def source_gguf(folder: Path) -> Path | None:
@@ -98,15 +90,6 @@ def write_atomically(path: Path, write) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def gguf_name(name: str) -> str | None:
-    """The GGUF name of Hugging Face tensor `name` in a Llama-family model; None: it has no place there."""
-    base, kind = name.rsplit(".", 1)
-    if base in _HF_MODEL:
-        return f"{_HF_MODEL[base]}.{kind}"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-    return f"blk.{m[1]}.{_HF_LAYER[m[2]]}.{kind}" if m and m[2] in _HF_LAYER else None
 
 
 class _Tensors(contextlib.ExitStack):
@@ -192,17 +175,10 @@ def _copied_metadata(gguf, source: Path, out: Path, file_type: int):
 
 
 def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_type: int):
-    """The metadata convert_hf_to_gguf.py writes for a Llama or Qwen2 folder, from our reading of it."""
+    """The metadata convert_hf_to_gguf.py writes for a Llama-family folder, from our reading of it."""
     cfg = load_config(folder)
-    arch = LLAMA_CPP_ARCHS.get(cfg.architecture)
-    if arch is None:
-        raise ValueError(f"{folder}: {cfg.architecture} cannot be exported for llama.cpp: the BF16 GGUF export "
-                         f"writes llama.cpp's llama and qwen2 architectures ({', '.join(LLAMA_CPP_ARCHS)}); "
-                         "Gemma 3 needs its gemma3 architecture, which it does not write")
-    if cfg.rope_scaling or cfg.rope_freq_factors:
-        raise ValueError(f"{folder}: its RoPE scaling ({cfg.rope_scaling[0] if cfg.rope_scaling else 'rope_freqs'}) "
-                         "is not written by the BF16 GGUF export (plain RoPE only): llama.cpp would run it unscaled")
-    writer = gguf.GGUFWriter(str(out), arch)
+    arch = _llama_cpp_arch(cfg, folder)
+    writer = gguf.GGUFWriter(str(out), ARCHS[arch].meta)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(folder.name)
     writer.add_context_length(cfg.max_position)
@@ -217,6 +193,11 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_typ
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(writer, folder, cfg.vocab_size)
@@ -224,40 +205,64 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_typ
     for name in tensors.names:
         if _ignored(name, cfg.tie_embeddings):
             continue
-        if gguf_name(name) is None:
+        if gguf_name(name, arch) is None:
             raise ValueError(f"{folder}: {name} has no place in llama.cpp's {arch} architecture")
-        names.append(gguf_name(name))
-    return writer, arch, sorted(names, key=_order), (cfg.num_heads, cfg.num_kv_heads)
+        names.append(gguf_name(name, arch))
+    order = list(ARCHS[arch].layers)
+    return writer, arch, sorted(dict.fromkeys(names), key=lambda n: _order(n, order)), (cfg.num_heads, cfg.num_kv_heads)
 
 
-def _order(name: str) -> tuple:
-    """token_embd, the blocks in order (each as GGUF_LAYER_NAMES lists them; weight before bias),
-    output_norm, output."""
+def _llama_cpp_arch(cfg, folder: Path) -> str:
+    """Our key of the llama.cpp architecture that computes what our forward computes for `cfg`, or a
+    ValueError naming what it would compute differently."""
+    arch = LLAMA_CPP_ARCHS.get(cfg.architecture)
+    if arch is None:
+        raise ValueError(f"{folder}: {cfg.architecture} cannot be exported for llama.cpp: the GGUF "
+                         f"export writes {', '.join(LLAMA_CPP_ARCHS)}; Gemma 3 needs its gemma3 architecture, "
+                         "which it does not write")
+    if cfg.rope_scaling or cfg.rope_freq_factors:
+        raise ValueError(f"{folder}: its RoPE scaling ({cfg.rope_scaling[0] if cfg.rope_scaling else 'rope_freqs'}) "
+                         "is not written by the BF16 GGUF export (plain RoPE only): llama.cpp would run it unscaled")
+    if cfg.num_experts and not cfg.norm_topk:
+        raise ValueError(f"{folder}: norm_topk_prob is false, and llama.cpp's {arch} renormalizes the kept "
+                         "experts' weights: it would run another model")
+    if cfg.num_experts and cfg.moe_layers != tuple(range(cfg.num_layers)):
+        raise ValueError(f"{folder}: only layers {list(cfg.moe_layers)} are MoE (decoder_sparse_step, "
+                         f"mlp_only_layers); llama.cpp's {arch} makes every layer one")
+    return arch
+
+
+def _order(name: str, layer_order: list[str]) -> tuple:
+    """token_embd, the blocks in order (each as the architecture's layer names list them; weight before
+    bias), output_norm, output."""
     parts = name.split(".")
     if parts[0] != "blk":
         return {"token_embd": 0, "output_norm": 2, "output": 3}[parts[0]], 0, 0, False
-    return 1, int(parts[1]), list(GGUF_LAYER_NAMES).index(parts[2]), parts[-1] == "bias"
+    return 1, int(parts[1]), layer_order.index(parts[2]), parts[-1] == "bias"
 
 
 def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[str], tensors: _Tensors,
                    quantize: str | None) -> None:
-    """Tensor infos first (the header needs every shape), then each tensor read, converted and written."""
+    """Tensor infos first (the header needs every shape), then each tensor read, converted and written
+    (a mixture's experts stacked: one [experts, rows, k] tensor per matrix, as llama.cpp reads them)."""
     from tqdm import tqdm
 
     arch, (n_heads, n_kv) = arch_heads
-    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch][3] else {}  # llama: q/k rows permuted
+    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch].permuted else {}  # llama: q/k rows permuted
+    experts = load_config(folder).num_experts if source_gguf(folder) is None else 0
     plan = []
     for name in names:
-        hf = hf_name(name, arch)
-        if hf not in tensors.files:
-            raise ValueError(f"{folder} has no {hf} (GGUF {name})")
-        dims = tensors.shape(hf)
+        hfs = expert_names(hf_name(name, arch), experts)
+        if any(hf not in tensors.files for hf in hfs):
+            raise ValueError(f"{folder} has no {next(hf for hf in hfs if hf not in tensors.files)} (GGUF {name})")
+        dims = (len(hfs), *tensors.shape(hfs[0])) if len(hfs) > 1 else tensors.shape(hfs[0])
         kind, shape, dtype, nbytes = _layout(gguf, dims, quantize)
         writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes,
                                raw_dtype=None if kind == gguf.GGMLQuantizationType.F32 else kind)
-        plan.append((name, hf, kind, int(np.prod(dims))))
+        plan.append((name, hfs, kind, int(np.prod(dims))))
     tied = "output.weight" not in names
-    unused = sorted(set(tensors.names) - {p[1] for p in plan} - {k for k in tensors.names if _ignored(k, tied)})
+    used = {hf for p in plan for hf in p[1]}
+    unused = sorted(set(tensors.names) - used - {k for k in tensors.names if _ignored(k, tied)})
     if unused:
         raise ValueError(f"{folder} holds tensors the GGUF has no place for: {unused[:4]}")
     writer.write_header_to_file()
@@ -265,26 +270,29 @@ def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[st
     writer.write_ti_data_to_file()
     with tqdm(total=sum(p[-1] for p in plan), unit="weight", unit_scale=True, disable=len(plan) < 64, leave=False,
               desc=f"writing the {(quantize or 'bf16').upper()} GGUF") as bar:
-        for name, hf, kind, n in plan:
-            w = tensors.get(hf)
-            for part, count in heads.items():
-                if part in name:
-                    w = permute(w, count)
-            writer.write_tensor_data(_encode(gguf, w.contiguous(), kind, hf))
+        for name, hfs, kind, n in plan:
+            count = next((c for part, c in heads.items() if part in name), None)
+            parts = [_encode(gguf, _rows(tensors.get(hf), count), kind, hf) for hf in hfs]
+            writer.write_tensor_data(np.stack(parts) if len(parts) > 1 else parts[0])
             bar.update(n)
+
+
+def _rows(w: torch.Tensor, heads: int | None) -> torch.Tensor:
+    return (permute(w, heads) if heads else w).contiguous()
 
 
 def _layout(gguf, dims: tuple[int, ...], quantize: str | None) -> tuple:
     """How a tensor of (Hugging Face) shape `dims` is written: its GGML type, and the shape, dtype and
-    size of what is handed to the writer. 1-D: F32; 2-D: BF16, or quantize's block type for its rows."""
+    size of what is handed to the writer. 1-D: F32; 2-D (3-D: stacked experts): BF16, or quantize's
+    block type for its rows."""
     n, types = int(np.prod(dims)), gguf.GGMLQuantizationType
     if len(dims) == 1:
         return types.F32, dims, np.float32, 4 * n
-    kind = block_type(dims[1], quantize) if quantize else None
+    kind = block_type(dims[-1], quantize) if quantize else None
     if kind is None:
         return types.BF16, dims, np.uint16, 2 * n
     block, size = gguf.GGML_QUANT_SIZES[types[kind]]
-    return types[kind], (dims[0], dims[1] // block * size), np.uint8, n // block * size
+    return types[kind], (*dims[:-1], dims[-1] // block * size), np.uint8, n // block * size
 
 
 def _encode(gguf, w: torch.Tensor, kind, name: str) -> np.ndarray:

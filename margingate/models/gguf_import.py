@@ -8,6 +8,7 @@ Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,59 +17,14 @@ import numpy as np
 import torch
 
 from .gguf_header import check_header
+from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
 
-# GGUF (llama.cpp) tensor names -> Hugging Face names; `gguf_export.py` writes the inverse.
-GGUF_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# llama.cpp's form of Llama 3's RoPE scaling: one divisor per frequency. It goes to config.json
-# (`rope_freq_factors`, models/rope_scaling.py), not among the weights.
-ROPE_FREQS = "rope_freqs.weight"
-GGUF_LAYER_NAMES = {  # blk.{i}.{kind}.{weight|bias} -> model.layers.{i}.{module}.{weight|bias}
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Gemma 3 has four norms per layer and q/k norms: llama.cpp's ffn_norm is its pre-FFN norm.
-GEMMA3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                      "post_attention_norm": "post_attention_layernorm",
-                      "post_ffw_norm": "post_feedforward_layernorm",
-                      "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-QWEN3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+__all__ = ["GGUFError", "convert", "load_quantized", "hf_name", "unpermute", "readers", "architecture"]
 
-# GGUF general.architecture -> (HF architecture, model_type, layer names, Q/K permuted by llama.cpp).
-# Mistral's GGUF files are written as arch "llama".
-ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama", GGUF_LAYER_NAMES, True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", GGUF_LAYER_NAMES, False),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_LAYER_NAMES, False),
-}
 # Bump when a conversion's output changes: folders converted by an older version are converted again.
-# 2: no built-in chat template for a GGUF that carries none (a base model).
-IMPORT_VERSION = 2
+# 2: no built-in chat template for a GGUF that carries none (a base model). 3: mixtures of experts.
+IMPORT_VERSION = 3
 SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
-
-
-class GGUFError(ValueError):
-    """A GGUF file this converter cannot turn into a supported model."""
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """The Hugging Face name of a GGUF tensor of a model of GGUF architecture `arch`."""
-    base, kind = gguf_name.rsplit(".", 1)
-    if base in GGUF_MODEL_NAMES:
-        return f"{GGUF_MODEL_NAMES[base]}.{kind}"
-    parts = base.split(".")
-    layer_names = ARCHS[arch][2]
-    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_names:
-        raise GGUFError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-    return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
-
-
-def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp interleaves the two rotary halves of each head; HF keeps them split (bias rows too).
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def readers(paths: list[Path]):
@@ -94,10 +50,11 @@ def metadata(reader) -> dict:
 
 
 def architecture(meta: dict, source: Path) -> str:
-    arch = meta.get("general.architecture")
-    if arch not in ARCHS:
-        raise GGUFError(f"{source}: GGUF architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(ARCHS)})")
+    """Our ARCHS key for the file (gguf_names.architecture_key), or GGUFError naming its architecture."""
+    arch = architecture_key(meta)
+    if arch is None:
+        raise GGUFError(f"{source}: GGUF architecture {meta.get('general.architecture')!r} is not supported "
+                        f"(supported: {', '.join(ARCHS)}; mixtral is llama with experts)")
     return arch
 
 
@@ -123,7 +80,7 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
     for old in tmp.glob("*.safetensors"):  # an interrupted earlier conversion
         old.unlink()
     if tensors:
-        _write_tensors(parts, paths[0].name, arch, meta, tmp)
+        _write_tensors(paths, arch, meta, tmp)
     if metadata_too:
         names = {hf_name(t.name, arch) for r in parts for t in r.tensors if t.name != ROPE_FREQS}
         config = hf_config(meta, parts[0], arch, tied="lm_head.weight" not in names)
@@ -146,18 +103,20 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
         tmp.replace(folder)
 
 
-def _write_tensors(parts, source: str, arch: str, meta: dict, out: Path) -> None:
-    """Every tensor dequantized to bf16, in safetensors shards of about SHARD_BYTES."""
+def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
+    """Every tensor dequantized to bf16 (each expert of a stacked tensor apart), in safetensors shards
+    of about SHARD_BYTES."""
     import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    n_heads, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
-    tensors = [t for r in parts for t in r.tensors if t.name != ROPE_FREQS]
+    prefix = ARCHS[arch].meta
+    n_heads, n_kv = meta[f"{prefix}.attention.head_count"], meta[f"{prefix}.attention.head_count_kv"]
+    tensors = list(hf_tensors(paths, arch, int(meta.get(f"{prefix}.expert_count", 0) or 0)))
     shard, size, shards = {}, 0, 0
-    for t in tqdm(tensors, desc=f"dequantizing {source} to bf16", unit="tensor"):
+    for name, t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
         w = bf16_tensor(gguf, t, arch, n_heads, n_kv)
-        shard[hf_name(t.name, arch)] = w
+        shard[name] = w
         size += 2 * w.numel()
         if size >= SHARD_BYTES:
             shards += 1
@@ -170,9 +129,9 @@ def _write_tensors(parts, source: str, arch: str, meta: dict, out: Path) -> None
 def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     """One GGUF tensor dequantized to bf16, llama.cpp's conventions undone (Q/K rows, Gemma's norms)."""
     w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-    if ARCHS[arch][3] and ".attn_q." in t.name:
+    if ARCHS[arch].permuted and ".attn_q." in t.name:
         w = unpermute(w, n_heads)
-    elif ARCHS[arch][3] and ".attn_k." in t.name:
+    elif ARCHS[arch].permuted and ".attn_k." in t.name:
         w = unpermute(w, n_kv)
     if arch == "gemma3" and t.name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the stored weight
@@ -187,7 +146,7 @@ class RawTensor:
 
     def __init__(self, gguf, path: Path, entry: tuple):
         self.name, dims, kind, self.start, self.nbytes = entry
-        self.path, self.tensor_type, self.shape = path, gguf.GGMLQuantizationType(kind), dims
+        self.path, self.tensor_type, self.shape = path, gguf.GGMLQuantizationType(kind), list(dims)
         block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor_type]
         self.rows = (*reversed(dims[1:]), dims[0] // block * block_bytes)
 
@@ -195,47 +154,71 @@ class RawTensor:
     def data(self) -> np.ndarray:
         return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
 
+    def expert(self, e: int) -> RawTensor:
+        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts])."""
+        part = copy.copy(self)
+        part.nbytes = self.nbytes // self.shape[2]
+        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:2], self.rows[1:]
+        return part
+
+
+def hf_tensors(paths: list[Path], arch: str, experts: int):
+    """(Hugging Face name, RawTensor) for every weight of the file, in its order; a stacked experts'
+    tensor gives one matrix per expert. The rope_freqs tensor is config (`convert` reads it there)."""
+    import gguf
+
+    from .gguf_header import tensor_table
+
+    sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
+    for path in paths:
+        for entry in tensor_table(path, sizes):
+            t = RawTensor(gguf, path, entry)
+            if t.name == ROPE_FREQS:
+                continue
+            names = expert_names(hf_name(t.name, arch), experts)
+            stacked = len(t.shape) == 3
+            if stacked != (len(names) > 1) or (stacked and t.shape[2] != experts):
+                raise GGUFError(f"{path}: {t.name} has shape {t.shape}, which a {arch} model with {experts} "
+                                "experts does not have")
+            yield from ((n, t.expert(e) if stacked else t) for e, n in enumerate(names))
+
 
 def load_quantized(paths: list[Path], config: dict) -> dict:
     """The GGUF's tensors by Hugging Face name, straight from the file: each matrix of a type
     gguf_quant keeps quantized as a GGUFMatrix (read when the model is built), every other tensor
     dequantized to bf16 exactly as `convert` writes it. `config`: the converted folder's config.json
-    (architecture and heads)."""
+    (architecture, heads and experts)."""
     import gguf
 
-    from .gguf_header import tensor_table
     from .gguf_quant import TYPES, GGUFMatrix
 
-    arch = next(a for a, spec in ARCHS.items() if spec[1] == config["model_type"])
+    arch = arch_of(config["model_type"])
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch][3] else {}
-    sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
+    heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch].permuted else {}
+    experts = config.get("num_experts", config.get("num_local_experts", 0))
     state = {}
-    for path in paths:
-        for entry in tensor_table(path, sizes):
-            t = RawTensor(gguf, path, entry)
-            if t.name == ROPE_FREQS:  # read into config.json by `convert`
-                continue
-            if t.tensor_type.name in TYPES and len(t.shape) == 2:
-                state[hf_name(t.name, arch)] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
-            else:
-                state[hf_name(t.name, arch)] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+    for name, t in hf_tensors(paths, arch, experts):
+        if t.tensor_type.name in TYPES and len(t.shape) == 2:
+            state[name] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
+        else:
+            state[name] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
     return state
 
 
 def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
     """config.json for the model, from the GGUF metadata (as transformers would read it)."""
-    architecture_name, model_type, _, _ = ARCHS[arch]
+    spec = ARCHS[arch]
 
     def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
+        return meta.get(f"{spec.meta}.{key}", default)
 
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     config = {
-        "architectures": [architecture_name], "model_type": model_type,
+        "architectures": [spec.hf], "model_type": spec.model_type,
         "vocab_size": int(get("vocab_size", embed.shape[-1])),  # GGUF shapes are reversed: [hidden, vocab]
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", get("expert_feed_forward_length", 0))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_heads, "num_key_value_heads": int(get("attention.head_count_kv")),
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
@@ -249,11 +232,23 @@ def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
     }
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
-    config.update(rope_config(get, reader))
+    config.update(rope_config(get, reader), **moe_config(get, arch))
     if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
         config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
                       query_pre_attn_scalar=config["head_dim"], hidden_activation="gelu_pytorch_tanh")
     return config
+
+
+def moe_config(get, arch: str) -> dict:
+    """A mixture of experts' shape. llama.cpp's qwen3moe and llama (Mixtral) graphs renormalize the kept
+    weights whatever the source config said, so a file of theirs means norm_topk_prob true."""
+    if arch == "qwen3moe":
+        return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+                "moe_intermediate_size": int(get("expert_feed_forward_length")), "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "mixtral":
+        return {"num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count"))}
+    return {}
 
 
 def rope_config(get, reader) -> dict:
