@@ -9,6 +9,7 @@ import torch
 
 from .data.prompts import Prompt
 from .engine import Request, Result
+from .engine.detokenize import text_decoder
 from .engine.draft import DraftModel, check_draft
 from .engine.engine import Engine, EngineConfig, StreamEvent
 from .engine.logprobs import TokenLogprob
@@ -78,7 +79,7 @@ class LLM:
         self.default_policy = self.policy(policy)
         self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
                                                       prefix_cache_tokens), lambda: self.default_policy)
-        self.engine.detokenize = self.tokenizer.decode
+        self.engine.detokenize = text_decoder(self.tokenizer.hf)
         self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
@@ -150,8 +151,8 @@ class LLM:
         return self.engine.stream(requests)
 
     def completion(self, index: int, result: Result) -> Completion:
-        return Completion(index, result.token_ids, self.tokenizer.decode(result.token_ids),
-                          result.finish_reason, result.stats, result.logprobs)
+        """`result` as text: the engine's (detokenize.py), cut before a stop string."""
+        return Completion(index, result.token_ids, result.text, result.finish_reason, result.stats, result.logprobs)
 
     def environment(self) -> dict:
         """What the determinism contract depends on besides the request: record it in every report."""

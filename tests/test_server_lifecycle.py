@@ -1,6 +1,6 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1, its life beyond one good request:
 client disconnects, a full queue, engine faults, the API key and the default policy, graceful shutdown
-(in process and `margingate serve` under SIGTERM), and the incremental detokenizer.
+(in process and `margingate serve` under SIGTERM). The incremental detokenizer: `test_stop_strings.py`.
 
 Each server here runs its own small engine over the session's model; the shared fixtures (`server`,
 `http`, `server_idle_after`) and helpers are in `server_fixtures.py`.
@@ -278,27 +278,3 @@ def test_cli_serve_sigterm(tmp_path):
             proc.wait()
         log.close()
 
-
-# --- pieces ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("stops", [[], ["STOP"], ["世界"], ["🎉"], [", 3"], ["zz", "more"]])
-def test_text_assembler_matches_full_decode(llm, stops):
-    """Incremental detokenization, in chunks of any size, gives decode(ids) cut at the first stop."""
-    import random
-
-    from margingate.server.text import TextAssembler
-
-    rng = random.Random(0)
-    for text in ["Hello wörld — ünïcödé 你好世界 🎉🎉 done.\n\nNew", "Count: 1, 2, 3, 4", "a b STOP and more"]:
-        ids = llm.tokenizer.encode(text)
-        full = llm.tokenizer.decode(ids)
-        cuts = [full.find(s) for s in stops if s in full]
-        expected = full[:min(cuts)] if cuts else full
-        for _ in range(4):
-            a, out, i = TextAssembler(llm.tokenizer.decode, stops), "", 0
-            while i < len(ids) and not a.stopped:
-                k = rng.randint(1, 3)
-                out += a.feed(ids[i:i + k])
-                i += k
-            out += a.flush()
-            assert out == expected and a.stopped == bool(cuts)

@@ -102,3 +102,24 @@ def test_chat_n_samples_streamed_equal_whole(client):
         for c in ch.choices:
             streamed[c.index] += c.delta.content or ""
     assert sorted(texts) == [0, 1] and streamed == texts
+
+
+def test_text_offset_counts_characters_over_an_emoji_split_into_byte_tokens(llm, client):
+    """Completions' `text_offset` is each token's start in the returned text, in characters: the byte
+    tokens of one emoji share the offset where the emoji begins (a partial character adds nothing), the
+    next token's is one further. The same echoed (prompt tokens, then the completion's after the prompt's
+    text), streamed and whole."""
+    prompt = "🎉🎉"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, logprobs=1, extra_body=BI)
+    whole = client.completions.create(**kw).choices[0]
+    ids, text = whole.model_extra["token_ids"], whole.text
+    assert text.startswith("🎉") and len(ids) > len(text), text  # several tokens per character
+    # what the tokens before each one decode to, in complete characters
+    want = [len(llm.tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert whole.logprobs.text_offset == want and want[:4] == [0, 0, 0, 1]
+    streamed = [x for ch in client.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.text_offset]
+    assert streamed == want
+    echoed = client.completions.create(**kw, echo=True).choices[0].logprobs.text_offset
+    n = len(echoed) - len(ids)
+    assert echoed == [0, 0, 0, 1, 1, 1][:n] + [len(prompt) + i for i in want] and n == 6

@@ -13,6 +13,7 @@ from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..options.engine import EngineConfig
 from ..prefix_cache import PrefixCache
+from .detokenize import Detokenizer
 from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
 from .proposers import SpeculationStats, proposer_for
@@ -22,7 +23,6 @@ from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 from .speculative import accept, off_reason, propose
 from .step_profile import StepProfile
-from .stops import StopStrings
 from .verifier import Verifier
 
 PHASES = ("prefill", "decode", "verify")
@@ -53,6 +53,8 @@ class StreamEvent:
     result: Result | None = None
     logprobs: list | None = None  # the new tokens' logprobs, if the request asked
     prompt_logprobs: list | None = None  # once, when its prompt is prefilled, if the request asked
+    text: str = ""                # the new text (detokenize.py): the deltas add up to the result's text
+    text_offsets: list[int] | None = None  # where each new token's text begins (completions' logprobs)
 
 
 class Engine:
@@ -67,7 +69,9 @@ class Engine:
         self.runner = Runner(model, self.kv)
         self.verifier = Verifier(self.runner)
         self.draft = None  # a DraftModel (draft.py) for `speculative: draft` requests, set by LLM
-        self.detokenize = None  # token ids -> text, for stop strings (stops.py); set by LLM and the server
+        # token ids -> text (detokenize.text_decoder), for each request's text and stop strings; set by LLM
+        # and the server. Called on the engine's thread only.
+        self.detokenize = None
         self.grammars = None    # structured output's compiler (structured.Grammars), set by LLM
         self.scheduler = Scheduler(self.kv)
         self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
@@ -104,10 +108,10 @@ class Engine:
         stop = request.stop_token_ids if request.stop_token_ids is not None else self.model.config.eos_token_ids
         seq = Sequence(request, request.policy or self.default_policy(), frozenset(stop))
         seq.state = seq.policy.new_state(seq)
-        if request.sampling.stop:
-            if self.detokenize is None:
-                raise ValueError("stop strings need a detokenizer: this engine was built without a tokenizer")
-            seq.stops = StopStrings(request.sampling.stop, self.detokenize)
+        if self.detokenize is not None:
+            seq.detokenizer = Detokenizer(self.detokenize, request.sampling.stop)
+        elif request.sampling.stop:
+            raise ValueError("stop strings need a detokenizer: this engine was built without a tokenizer")
         if request.sampling.structured is not None:
             if self.grammars is None:
                 raise ValueError("structured output needs a tokenizer: this engine was built without one")
@@ -195,7 +199,7 @@ class Engine:
                 choice = choose(seq, rows[-1:], seq.last_fed_pos)
                 seq.output_ids.append(choice.tokens[0])
                 self._record(seq, choice)
-                seq.cut_at_stop()
+                seq.appended()
             if self.prefix is not None:  # the prompt path's K/V, before any decode write
                 self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
             started.append(seq)
@@ -228,7 +232,7 @@ class Engine:
             if seq.drafts:
                 seq.steps += 1
                 self._record(seq, accept(seq, rows))
-                seq.cut_at_stop()  # the step may have accepted tokens past a stop string
+                seq.appended()  # the step may have accepted tokens past a stop string
             else:
                 plain.append((seq, rows[-1]))
         if plain:
@@ -248,7 +252,7 @@ class Engine:
                 self._record(seq, rows_of)
             if len(seq.logprobs) < len(seq.output_ids):
                 self._record(seq, step)
-            seq.cut_at_stop()
+            seq.appended()
 
     def _record(self, seq: Sequence, choice: Choice) -> None:
         """Logprobs, from `choice`'s raw rows, of the output tokens they chose that the output still holds."""
@@ -286,7 +290,7 @@ class Engine:
                     self._retire(seq)
                     self._finished.append(seq)
                 else:
-                    seq.cut_at_stop()  # the re-check rolled back and appended the verifier's token
+                    seq.appended()  # the re-check rolled back and appended the verifier's token
                     if seq.should_stop(self.max_len):
                         still.append(seq)
             stopping = still
@@ -317,7 +321,8 @@ class Engine:
         return Result(seq.request_id, list(seq.request.prompt_ids), list(seq.output_ids),
                       seq.finish_reason or "aborted", stats, seq.cached_tokens,
                       list(seq.logprobs) if sp.logprobs is not None else None,
-                      list(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None)
+                      list(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None,
+                      seq.detokenizer.final_text() if seq.detokenizer is not None else None)
 
     def release(self, seq: Sequence, finished: bool) -> StreamEvent | None:
         """What `seq` hands its caller since the last call: the tokens its policy lets go (all of them
@@ -334,7 +339,11 @@ class Engine:
         if not new and not finished and prompt is None:
             return None
         lps = seq.logprobs[start:start + len(new)] if seq.request.sampling.logprobs is not None else None
-        return StreamEvent(seq.request_id, new, finished, self.result(seq) if finished else None, lps, prompt)
+        event = StreamEvent(seq.request_id, new, finished, self.result(seq) if finished else None, lps, prompt)
+        if seq.detokenizer is not None:
+            event.text = seq.detokenizer.release(start + len(new), finished)
+            event.text_offsets = seq.detokenizer.offsets(start, start + len(new))
+        return event
 
     def stream(self, requests: list[Request], progress: bool = False) -> Iterator[StreamEvent]:
         """Run requests to completion, yielding tokens as their policies release them.

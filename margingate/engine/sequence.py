@@ -11,8 +11,8 @@ from .proposers import Proposer, SpeculationStats
 
 if TYPE_CHECKING:
     from ..kv_cache import SlotView
+    from .detokenize import Detokenizer
     from .logprobs import TokenLogprob
-    from .stops import StopStrings
     from .structured import Matcher
 
 _ids = itertools.count()
@@ -57,6 +57,7 @@ class Result:
     cached_tokens: int = 0                 # prompt positions taken from the prefix cache
     logprobs: list[TokenLogprob] | None = None         # one per output token, if asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
+    text: str | None = None                # cut before a stop string (detokenize.py); None: no tokenizer
 
 
 @dataclass(eq=False)  # identity: two requests are never the same sequence
@@ -83,8 +84,7 @@ class Sequence:
     # this step's proposals (speculation), fed after the last token: not output, and not counted by
     # num_tokens, tokens() or should_stop, until `speculative.accept` keeps them
     drafts: list[int] = field(default_factory=list)
-    stops: StopStrings | None = None       # the request's stop strings, with the engine's detokenizer
-    stop_at: int | None = None             # output tokens up to the one completing a stop string
+    detokenizer: Detokenizer | None = None  # the output's text and stop strings (engines with a tokenizer)
     grammar: Matcher | None = None         # the structured-output constraint's state (structured.py)
 
     @property
@@ -130,21 +130,19 @@ class Sequence:
         del self.output_ids[num_tokens - self.prompt_len:]
         del self.logprobs[num_tokens - self.prompt_len:]
         self.released = min(self.released, len(self.output_ids))
-        if self.stop_at is not None and self.stop_at > len(self.output_ids):
-            self.stop_at = None  # the token that completed the stop string is gone
+        if self.detokenizer is not None:
+            self.detokenizer.rollback(len(self.output_ids))
 
-    def cut_at_stop(self) -> None:
-        """Tokens were appended: end the output at the token completing a stop string, if one does."""
-        if self.stops is None or self.stop_at is not None:
-            return
-        keep = self.stops.completing(self.output_ids)
-        if keep is not None:
-            if keep < len(self.output_ids):
+    def appended(self) -> None:
+        """Tokens were appended: their text, one token at a time; the output ends at the token completing
+        a stop string (a speculative step or a release burst may hold tokens past it)."""
+        if self.detokenizer is not None:
+            keep = self.detokenizer.feed(self.output_ids)
+            if keep is not None and keep < len(self.output_ids):
                 self.rollback(self.prompt_len + keep)
-            self.stop_at = keep
 
     def should_stop(self, max_len: int) -> str | None:
-        if self.stop_at is not None:
+        if self.detokenizer is not None and self.detokenizer.stop_at is not None:
             return "stop"
         if self.output_ids and not self.request.ignore_eos and self.output_ids[-1] in self.stop_ids:
             return "stop"

@@ -19,7 +19,6 @@ from .errors import RequestFailed, json_error
 from .logprobs import merge_completion
 from .protocol import OPENAI_FINISH, finite
 from .state import ServerState
-from .text import TextAssembler
 from .worker import Handle
 
 
@@ -53,6 +52,7 @@ class Outcome:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)     # one TokenLogprob per id (if asked)
+    offsets: list[int] = field(default_factory=list)  # where each id's text begins (completions' logprobs)
     reason: str | None = None
     result: Result | None = None
 
@@ -115,9 +115,10 @@ def logprobs_body(state: ServerState, job: Job, choice: Choice, outcome: Outcome
         return state.formatter.chat(outcome.logprobs)
     parts = []
     if echo is not None:
-        parts.append(state.formatter.completion(choice.request.prompt_ids, echo[1], 0))
+        prompt = choice.request.prompt_ids
+        parts.append(state.formatter.completion(prompt, echo[1], state.formatter.offsets(prompt)))
     start = len(echo[0]) if echo is not None else 0
-    parts.append(state.formatter.completion(outcome.ids, outcome.logprobs, start))
+    parts.append(state.formatter.completion(outcome.ids, outcome.logprobs, [start + i for i in outcome.offsets]))
     return merge_completion(parts)
 
 
@@ -127,10 +128,9 @@ async def next_event(handle: Handle) -> tuple[str, Any]:
     return await handle.events.get()
 
 
-async def run_job(state: ServerState, handle: Handle, assembler: TextAssembler) -> AsyncIterator[tuple]:
-    """Yields ("prompt", logprobs) (echo), ("delta", text, ids, logprobs), then ("final", finish_reason,
-    result); raises RequestFailed."""
-    pending_ids, pending_lps = [], []
+async def run_job(handle: Handle) -> AsyncIterator[tuple]:
+    """Yields ("prompt", logprobs) (echo), ("delta", text, ids, logprobs, text offsets), then ("final",
+    finish_reason, result); raises RequestFailed. The text is the engine's: cut before a stop string."""
     while True:
         kind, payload = await next_event(handle)
         if kind == "error":
@@ -138,24 +138,11 @@ async def run_job(state: ServerState, handle: Handle, assembler: TextAssembler) 
         if kind == "prompt":
             yield ("prompt", payload)
         elif kind == "tokens":
-            ids, lps = payload
-            if assembler.stopped:
-                continue
-            text = assembler.feed(ids)
-            pending_ids += ids
-            pending_lps += lps or []
-            if assembler.stopped:
-                state.worker.abort(handle, "stop")
-            if text or assembler.stopped:
-                yield ("delta", text, pending_ids, pending_lps)
-                pending_ids, pending_lps = [], []
+            ids, lps, text, offsets = payload
+            yield ("delta", text, ids, lps or [], offsets or [])
         elif kind == "done":
             result: Result = payload
-            text = assembler.flush()
-            if text or pending_ids:
-                yield ("delta", text, pending_ids, pending_lps)
-            reason = "stop" if assembler.stopped else OPENAI_FINISH.get(result.finish_reason, "stop")
-            yield ("final", reason, result)
+            yield ("final", OPENAI_FINISH.get(result.finish_reason, "stop"), result)
             return
 
 
@@ -165,7 +152,7 @@ async def merged(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
 
     async def pump(choice: Choice, handle: Handle) -> None:
         try:
-            async for ev in run_job(state, handle, TextAssembler(state.decode, job.params.stop_strings)):
+            async for ev in run_job(handle):
                 await queue.put((choice, ev))
         except RequestFailed as exc:
             await queue.put((choice, exc))
@@ -213,6 +200,7 @@ async def collect(state: ServerState, job: Job, handles: list[Handle]) -> tuple[
             o.text += ev[1]
             o.ids += ev[2]
             o.logprobs += ev[3]
+            o.offsets += ev[4]
         else:
             o.reason, o.result = ev[1], ev[2]
     return outcomes, prompt_lps

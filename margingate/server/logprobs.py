@@ -5,6 +5,7 @@ The numbers are the engine's `TokenLogprob`s unchanged: fp32 values printed as t
 repr of their double, so equal bits give equal JSON."""
 from __future__ import annotations
 
+from ..engine.detokenize import char_offsets, decode_text
 from ..engine.logprobs import TokenLogprob
 
 
@@ -20,17 +21,22 @@ class LogprobFormatter:
         with self.lock:
             return list(self.tokenizer.token_bytes(token))
 
-    def completion(self, ids: list[int], entries: list[TokenLogprob | None], offset: int) -> dict:
+    def offsets(self, ids: list[int]) -> list[int]:
+        """Where each token's text begins in the text of `ids` (a prompt's, for echo)."""
+        with self.lock:
+            return char_offsets(lambda window: decode_text(self.tokenizer.hf, window), ids)
+
+    def completion(self, ids: list[int], entries: list[TokenLogprob | None], offsets: list[int]) -> dict:
         """The legacy object for tokens `ids` (an entry None: the prompt's first token, which has none);
-        text offsets count from `offset` (the length of the text before the first token)."""
-        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        `offsets`: each token's `text_offset`, in characters of the response's text. A token holding part
+        of a character adds nothing to the offset until the token that completes the character (so four
+        byte tokens of an emoji share one offset and the next token's is one further), as vLLM's and
+        OpenAI's offsets count characters of the text returned."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": list(offsets)}
         for token, entry in zip(ids, entries):
-            piece = self.text(token)
-            out["tokens"].append(piece)
+            out["tokens"].append(self.text(token))
             out["token_logprobs"].append(None if entry is None else entry.logprob)
             out["top_logprobs"].append(None if entry is None else self._top(entry))
-            out["text_offset"].append(offset)
-            offset += len(piece)
         return out
 
     def _top(self, entry: TokenLogprob) -> dict[str, float]:

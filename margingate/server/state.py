@@ -5,6 +5,7 @@ import threading
 import time
 
 from ..data.prompts import Prompt
+from ..engine.detokenize import text_decoder
 from ..engine.engine import Engine
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
@@ -20,7 +21,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue)
-        engine.detokenize = self.decode  # stop strings, decoded on the engine thread under the tokenizer's lock
+        engine.detokenize = text_decoder(llm.tokenizer.hf)  # the engine thread's own copy: it takes no lock
         engine.grammars = llm.grammars
         self.tool_format = template_format(getattr(llm.tokenizer.hf, "chat_template", None))  # tools.py
         llm.grammars.tokenizer  # built now, before any thread shares the HF tokenizer it reads (~1 s)

@@ -29,13 +29,13 @@ class ChunkWriter:
         self.state, self.job = state, job
         self.base = envelope(state, job)
         self.base["object"] = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-        self.offsets = {c.index: 0 for c in job.choices}
+        self.text_start = {c.index: 0 for c in job.choices}  # the echoed prompt's length, if echoed
 
     def chunk(self, choice: Choice, text: str | None, ids: list[int], lps: list | None = None,
-              reason: str | None = None, first: bool = False) -> dict:
+              reason: str | None = None, first: bool = False, offsets: list[int] = ()) -> dict:
         """One chunk: a chat delta (the first names the role) or a completion's text."""
-        c: dict = {"index": choice.index, "finish_reason": reason, "logprobs": self._logprobs(choice, ids, lps),
-                   "token_ids": ids}
+        c: dict = {"index": choice.index, "finish_reason": reason,
+                   "logprobs": self._logprobs(choice, ids, lps, offsets), "token_ids": ids}
         if self.job.kind == "chat":
             delta: dict = {"role": "assistant"} if first else {}
             if text is not None:
@@ -45,15 +45,13 @@ class ChunkWriter:
             c["text"] = text or ""
         return {**self.base, "choices": [c]}
 
-    def _logprobs(self, choice: Choice, ids: list[int], lps: list | None):
+    def _logprobs(self, choice: Choice, ids: list[int], lps: list | None, offsets: list[int]):
         if choice.request.sampling.logprobs is None or lps is None:
             return None
         fmt = self.state.formatter
         if self.job.kind == "chat":
             return fmt.chat(lps)
-        out = fmt.completion(ids, lps, self.offsets[choice.index])
-        self.offsets[choice.index] += sum(len(t) for t in out["tokens"])
-        return out
+        return fmt.completion(ids, lps, [self.text_start[choice.index] + i for i in offsets])
 
     def tool_delta(self, choice: Choice, message: dict) -> dict:
         """An answer with tools, once parsed: its content and its calls (each with its index)."""
@@ -66,8 +64,9 @@ class ChunkWriter:
     def echo(self, choice: Choice, prompt_lps: list) -> dict:
         text = echo_text(self.state, choice)
         out = self.chunk(choice, text, [], None)
-        out["choices"][0]["logprobs"] = self._logprobs(choice, choice.request.prompt_ids, prompt_lps)
-        self.offsets[choice.index] = len(text)
+        prompt = choice.request.prompt_ids
+        out["choices"][0]["logprobs"] = self._logprobs(choice, prompt, prompt_lps, self.state.formatter.offsets(prompt))
+        self.text_start[choice.index] = len(text)
         return out
 
 
@@ -88,7 +87,7 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
                 o.ids += ev[2]
                 o.text += ev[1]
                 withheld = job.tool_mode != "none"  # tool calls go out whole, once parsed
-                yield sse(writer.chunk(choice, None if withheld else ev[1], ev[2], ev[3]))
+                yield sse(writer.chunk(choice, None if withheld else ev[1], ev[2], ev[3], offsets=ev[4]))
             else:
                 o.reason, o.result = ev[1], ev[2]
                 if job.tool_mode != "none":

@@ -8,8 +8,10 @@ share each decode step (continuous batching).
 Events posted to a request's queue, in order:
     ("accepted", None)            the engine took the request (or ("error", (status, message)))
     ("prompt", [logprobs])        the prompt's logprobs, once prefilled (requests that ask: echo)
-    ("tokens", ([ids], logprobs)) newly released tokens (only what the policy releases), and their
-                                  logprobs (None unless asked for)
+    ("tokens", ([ids], logprobs, text, offsets))
+                                  newly released tokens (only what the policy releases), their logprobs
+                                  (None unless asked for), their text (engine/detokenize.py: cut before
+                                  a stop string) and where each token's text begins
     ("done", Result)              the last event of a request that ran
     ("error", (status, message))  the request failed; nothing follows
 
@@ -277,12 +279,12 @@ class EngineWorker:
         """One release of the engine's, as the handle's events (and the metrics it moves)."""
         if event.prompt_logprobs is not None:
             self._post(handle, "prompt", event.prompt_logprobs)
-        if event.token_ids:
-            if handle.first_token is None:
-                handle.first_token = now
-                self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
+        if event.token_ids and handle.first_token is None:
+            handle.first_token = now
+            self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
+        if event.token_ids or event.text:  # the last text may come with no token (a held-back tail)
             self.metrics.inc("generation_tokens_total", len(event.token_ids))
-            self._post(handle, "tokens", (event.token_ids, event.logprobs))
+            self._post(handle, "tokens", (event.token_ids, event.logprobs, event.text, event.text_offsets))
         if event.finished:
             self._account(handle, event.result)
             self._post(handle, "done", event.result)
