@@ -12,7 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 from .kernels import VERSION as KERNELS_VERSION
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
-PACKAGES = ("margingate", "numpy", "transformers", "tokenizers")
+# llguidance decides a constrained request's tokens (its masks); gguf reads a GGUF model's values
+PACKAGES = ("margingate", "numpy", "transformers", "tokenizers", "llguidance", "gguf")
 
 
 def environment_record(llm, num_threads: int | None = None) -> dict:

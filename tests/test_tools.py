@@ -1,7 +1,9 @@
-"""Tool calls on chat completions with the `openai` client: `required` and a named function are
-enforced by the grammar, so they always parse; bitwise the same alone and under load; streamed as
-tool-call deltas; `auto` is a 400 on a model whose chat template has no tool format; an agent loop
-(call, tool result, answer) under batch-invariant, bitwise the same twice."""
+"""Tool calls on chat completions with the `openai` client, on the embedded model (whose chat template has
+no tool format: ours is used): `required` and a named function are enforced by the grammar, so they
+always parse; bitwise the same alone and under load; streamed as tool-call deltas; `auto` (and no
+tool_choice) answers; a forced call ends at its schema's properties; `required` ends after its calls;
+`parallel_tool_calls: false` allows one; blocks that are no calls stay content behind a marker; an agent
+loop (call, tool result, answer) under batch-invariant, bitwise the same twice."""
 from __future__ import annotations
 
 import json
@@ -14,8 +16,9 @@ pytest.importorskip("fastapi")
 from server_fixtures import MODEL, chat  # noqa: E402
 from test_server_logprobs import Load  # noqa: E402
 
-from margingate.server.formats import NamedToolChoice  # noqa: E402
-from margingate.server.tools import parse  # noqa: E402
+from margingate.server import tool_format  # noqa: E402
+from margingate.server.protocol import ChatCompletionRequest  # noqa: E402
+from margingate.server.tools import constraint, parse  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {
@@ -29,7 +32,7 @@ ASK = chat("What is the weather in Paris?")
 
 def call(client, tool_choice, messages=ASK, **kw):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                                       max_tokens=48, logprobs=True, extra_body=BI, **kw)
+                                       max_tokens=96, logprobs=True, extra_body=BI, **kw)
     c = r.choices[0]
     calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []]
     return c.finish_reason, calls, c.model_extra["token_ids"], [t.logprob for t in c.logprobs.content]
@@ -62,15 +65,94 @@ def test_tool_calls_stream_as_deltas(client):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == named[1]
 
 
-def test_auto_needs_a_template_with_a_tool_format(http):
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [WEATHER]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    assert "template" in r.json()["error"]["message"]
+def test_auto_and_no_tool_choice_answer_on_a_template_without_a_tool_format(http):
+    """LangChain's bind_tools sends no tool_choice, openai-agents sends auto after a call: both answered
+    (they were a 400 here), the same answer, in text or calls."""
+    answers = []
+    for choice in ({}, {"tool_choice": "auto"}):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME],
+                                                    "max_tokens": 24, **BI, **choice})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["message"]["content"] or c["message"].get("tool_calls")
+        answers.append((c["token_ids"], c["message"]["content"]))
+    assert answers[0] == answers[1]
+
+
+def test_bad_tool_requests_name_the_field(http):
     for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "tool_choice.function.name"), ({"tool_choice": "required"}, "tool_choice"),
                         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools")):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# The issue's example: a schema that does not say additionalProperties (JSON Schema's default is open).
+LOCATION = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+
+
+def test_a_forced_call_holds_its_schemas_properties_only_and_ends(client):
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[LOCATION], tool_choice=choice,
+                                           max_tokens=160, extra_body=BI)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and r.usage.completion_tokens < 160, (choice, c)
+        assert [json.loads(t.function.arguments).keys() for t in c.message.tool_calls] == [{"location"}]
+
+
+def test_required_ends_after_its_calls(client):
+    """At most one call per tool offered: a model that would repeat its calls stops (it ran to max_tokens)."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=240, extra_body=BI)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and 1 <= len(c.message.tool_calls) <= 2 and r.usage.completion_tokens < 240
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call(client, llm):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=96, extra_body=BI)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    two = tool_format.block("get_weather", {"city": "Paris"}) + "\n" + tool_format.block("get_time", {"zone": "UTC"})
+    ids = llm.tokenizer.encode(two)
+    for parallel, takes_both in ((False, False), (None, True)):  # the grammar itself: a second call or not
+        params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
+                                                       "tool_choice": "required", "parallel_tool_calls": parallel})
+        matcher = llm.grammars.matcher(constraint(params, "required", None))
+        assert all(matcher.ll.consume_token(t) for t in ids) == takes_both, parallel
+
+
+def test_blocks_that_are_no_calls_stay_content_behind_a_marker():
+    params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME]})
+    good = tool_format.block("get_time", {"zone": "UTC"})
+    bad = ['<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>',   # not JSON
+           tool_format.block("launch_rockets", {}),                                     # not a tool offered
+           '<tool_call>\n{"arguments": {}}\n</tool_call>',                             # no name
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa']            # cut short
+    content, calls = parse("Sure.\n" + "\n".join([bad[0], good, *bad[1:]]), params, "auto")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_time",
+                                                                                                 {"zone": "UTC"})]
+    assert content.startswith("Sure.") and content.count("[margingate: not a tool call") == len(bad)
+    assert all(b in content for b in bad) and good not in content
+    assert parse('{"zone": "CET"', params, "auto") == ('{"zone": "CET"', [])  # no block: the text as it came
+
+
+def test_string_arguments_are_not_encoded_twice():
+    params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [TIME]})
+    text = '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>'
+    _, calls = parse(text, params, "auto")
+    assert calls[0]["function"]["arguments"] == '{"zone": "UTC"}'
+
+
+def test_closing_a_schema_keeps_what_it_says():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                               "c": {"type": "object", "properties": {}, "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"e": {}}}}, "anyOf": [{"properties": {"f": {}}}]}
+    out = tool_format.closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["additionalProperties"] is True and "additionalProperties" not in schema
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert tool_format.closed({"type": "object"}) == {"type": "object"}  # lists no properties: any object
 
 
 def agent_loop(client):
@@ -96,11 +178,7 @@ def test_an_agent_loop_is_bitwise_the_same_twice(client):
 
 def test_hermes_blocks_parse_into_calls():
     text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-
-    class Params:
-        tool_choice = NamedToolChoice(type="function", function={"name": "get_time"})
-
-    content, calls = parse(text, Params, "auto")
+    params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [TIME]})
+    content, calls = parse(text, params, "auto")
     assert content == "Sure." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("get_time", {"zone": "UTC"})]
-    assert parse('{"zone": "CET"', Params, "named") == ('{"zone": "CET"', [])  # cut short: stays content

@@ -7,7 +7,8 @@ function of the request alone (its options, its own history, the row's position)
 
 1. `logit_bias` is added; penalties from the request's own tokens before the row's position:
    `repetition_penalty` (prompt and output, as vLLM: positive logits divided, negative multiplied),
-   `frequency_penalty` x count and `presence_penalty` (output tokens, as OpenAI);
+   `frequency_penalty` x count and `presence_penalty` (output tokens, as OpenAI); before the
+   `min_tokens`-th output token the stop tokens get -inf (vLLM's min_tokens);
 2. temperature 0: the argmax of that (ties: the lowest token id, as torch.argmax; our own kernel);
 3. otherwise / temperature, then the filters, ties always broken by token id: `top_k` keeps the k
    best, `top_p` the shortest best-first run whose probability reaches p (a sequential fp64 sum in
@@ -102,6 +103,8 @@ def adjust(seq: Sequence, row: torch.Tensor, position: int, history: list[int]) 
         output = torch.tensor(history[seq.prompt_len:position], dtype=torch.long)
         counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
         row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+    if position - seq.prompt_len < sp.min_tokens:  # the row chooses output token number position - prompt_len
+        row[[t for t in seq.stop_ids if t < row.shape[0]]] = -torch.inf
     return row
 
 

@@ -27,16 +27,18 @@ class Tokenizer:
         """Do both map every token string to the same id (a draft model must share the target's)?"""
         return self._tok.get_vocab() == other._tok.get_vocab()
 
-    def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None, **template) -> list[int]:
         """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
-        template. A base model has no template (its GGUF carries none): it continues the messages'
+        template, given `template`'s keywords (add_generation_prompt, default true; anything else the
+        template reads). A base model has no template (its GGUF carries none): it continues the messages'
         text, one message per paragraph, as a text-completion engine would."""
         if prompt.kind == "text":
             return self._tok.encode(prompt.text, add_special_tokens=True)
         if not self.has_chat_template:
             return self._tok.encode("\n\n".join(m["content"] for m in prompt.messages), add_special_tokens=True)
+        template.setdefault("add_generation_prompt", True)
         text = self._tok.apply_chat_template(list(prompt.messages), tools=tools, tokenize=False,
-                                             add_generation_prompt=True)  # tools: a template with a tool format
+                                             **template)  # tools: a template with a tool format
         return self.encode(text)  # the template writes the special tokens itself
 
     def encode(self, text: str) -> list[int]:

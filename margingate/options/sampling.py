@@ -57,6 +57,7 @@ class SamplingParams:
     # logprobs of the model's distribution ("raw") or of the one the row samples from ("processed": after
     # bias, penalties, the grammar's mask, temperature and filters); None: processed when constrained
     logprobs_mode: str | None = None
+    min_tokens: int = 0               # the stop tokens cannot be chosen before this many output tokens (vLLM's)
 
     def __post_init__(self):
         _number("temperature", self.temperature, 0.0, 2.0)
@@ -78,6 +79,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         _count("logprobs", self.logprobs, MAX_LOGPROBS)
         _count("prompt_logprobs", self.prompt_logprobs, MAX_LOGPROBS)
+        _count("min_tokens", self.min_tokens, 1 << 30)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -106,9 +108,9 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Are the logits changed before the choice (bias, penalties)?"""
+        """Are the logits changed before the choice (bias, penalties, min_tokens)?"""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1
+            or self.repetition_penalty != 1 or self.min_tokens > 0
 
     @property
     def processed_logprobs(self) -> bool:

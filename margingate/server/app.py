@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +32,7 @@ from .config import ServerConfig
 from .errors import json_error
 from .guard import Guard
 from .routes import router
+from .sdk_fields import IGNORED_HEADER
 from .state import ServerState
 
 log = logging.getLogger("margingate.server")
@@ -72,4 +74,7 @@ def create_app(llm, config: ServerConfig | None = None, *, engine: Engine | None
     app.add_exception_handler(Exception, internal_error)
     app.include_router(router)
     app.add_middleware(Guard, state=state)
+    if config.cors_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=[IGNORED_HEADER])
     return app

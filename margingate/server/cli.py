@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
                    help="when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they fail")
+    p.add_argument("--cors-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000; * allows any")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     cli_args.add_model_args(p)
     cli_args.add_prefix_cache_arg(p)
@@ -67,7 +69,7 @@ def cmd_serve(args) -> None:
               file=sys.stderr)
     config = ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue, default_policy=args.default_policy,
                           default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout,
-                          deterministic_by_default=args.deterministic_by_default)
+                          deterministic_by_default=args.deterministic_by_default, cors_origins=tuple(args.cors_origins))
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
 

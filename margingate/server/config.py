@@ -18,9 +18,11 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0     # in-flight requests get this long on SIGTERM
     retry_after_s: int = 1
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS headers
 
     def __post_init__(self):
         object.__setattr__(self, "api_key", self.api_key or None)  # "" means no key
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
         if self.default_policy not in deterministic_policies():
             raise ValueError(f'default_policy must promise determinism (it is what "deterministic": true '
                              f'means): one of {", ".join(deterministic_policies())}, got {self.default_policy!r}')

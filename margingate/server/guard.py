@@ -6,7 +6,7 @@ import hmac
 from .errors import json_error
 from .state import ServerState
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 def route_label(path: str) -> str:

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -44,11 +45,17 @@ async def read_body(req: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def validate(state: ServerState, raw: bytes, kind: str) -> CompletionRequest | ChatCompletionRequest:
-    """The body as the route's pydantic model, for the model this server serves."""
+def json_object(raw: bytes) -> dict:
+    """The body, which must be a JSON object."""
     body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def validate(state: ServerState, raw: bytes | dict, kind: str) -> CompletionRequest | ChatCompletionRequest:
+    """The body (bytes, or its JSON object) as the route's pydantic model, for the model this server serves."""
+    body = raw if isinstance(raw, dict) else json_object(raw)
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         params = model_cls.model_validate(body)
@@ -123,11 +130,14 @@ def sampling_params(state: ServerState, params, kind: str) -> SamplingParams:
 
 
 def output_constraint(state: ServerState, params, tool_mode: str):
-    """The body's constraint (`response_format`, vLLM's fields) or its tools' (`required`, a named
-    function), compiled; both at once is a 400."""
-    by_tools = tools.constraint(params, tool_mode, getattr(state.llm.tokenizer.hf, "chat_template", None))
+    """The body's constraint (`response_format`, vLLM's fields) or its tools' (the calls' format),
+    compiled. With `auto` the body's wins (the answer is then held to it, not to calls); with calls
+    forced, both at once is a 400."""
+    by_tools = tools.constraint(params, tool_mode, state.tool_format)
     structured = compiled(state.llm.grammars, params)
     if by_tools is not None and structured is not None:
+        if tool_mode == "auto":
+            return structured
         raise BadRequest("tool_choice constrains the output already: drop the other constraint", param="tool_choice")
     if by_tools is not None:
         try:
@@ -149,11 +159,15 @@ def speculative_config(state: ServerState, params) -> SpeculativeConfig | None:
         raise BadRequest(str(exc), param=f"speculative.{exc.option}") from None
 
 
-async def prompts(state: ServerState, params, kind: str) -> list[tuple[list[int], str | None]]:
+async def prompts(state: ServerState, params, kind: str, tool_mode: str) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
     if kind == "chat":
-        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format)), None, "http")
-        return [(await run_in_threadpool(state.encode, chat, tools.template_tools(params, state.tool_format)), None)]
+        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format, tool_mode)), None, "http")
+        try:
+            return [(await run_in_threadpool(state.encode, chat, tools.template_tools(params, state.tool_format),
+                                             **params.template_options()), None)]
+        except TemplateError as exc:  # chat_template_kwargs or a message the template refuses
+            raise BadRequest(f"the chat template failed on this request: {exc}", param="messages") from None
     out = []
     for p in params.prompt:
         ids = p if isinstance(p, list) else await run_in_threadpool(state.encode, Prompt("text", None, p, "http"))
@@ -183,13 +197,16 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     tool_mode = tools.mode(params) if kind == "chat" else "none"
     structured = await run_in_threadpool(output_constraint, state, params, tool_mode)
     if structured is not None:
+        if params.min_tokens:  # masking the end where the grammar allows nothing else would leave no token
+            raise BadRequest("min_tokens with an output constraint or forced tool calls is not supported",
+                             param="min_tokens")
         sampling = replace(sampling, structured=structured)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
     speculative = speculative_config(state, params)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
     try:
-        for p, (ids, text) in enumerate(await prompts(state, params, kind)):
+        for p, (ids, text) in enumerate(await prompts(state, params, kind, tool_mode)):
             max_tokens = token_budget(state, params, kind, len(ids))
             for j in range(n):  # samples after the first copy its prompt K/V (share_prefill)
                 index = p * n + j

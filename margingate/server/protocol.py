@@ -20,17 +20,22 @@ What is supported, and what is refused with a 400 naming the field:
   ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
 - output constraints (`formats.py`): `response_format` json_object / json_schema, vLLM's `guided_*`
   and `structured_outputs`, and `logprobs_mode` (raw | processed);
-- unknown fields are refused (a misspelt `determinism` must not silently run undeterministic).
+- fields SDKs send: accepted where they change nothing here, honoured where they mean something
+  (`min_tokens`, chat's `chat_template_kwargs`, `reasoning_effort`, `add_generation_prompt`,
+  `continue_final_message`), a 400 naming them where they would change the output and are not
+  implemented; unknown fields are ignored and named in a response header, unless they look like a
+  misspelling of ours (`sdk_fields.py`).
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import sdk_fields
 from .formats import ConstraintFields, NamedToolChoice, Tool, ToolCall
 
 MAX_STOP = 4
@@ -152,14 +157,10 @@ class ChatMessage(BaseModel):
 
 # --- bodies ----------------------------------------------------------------------------
 
-# OpenAI fields accepted only at their neutral values: field -> (accepted, message otherwise).
-NEUTRAL = {
-    "suffix": ((None, ""), "suffix (insertion) is not supported"),
-}
-
-
 class _Common(ConstraintFields):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # unknown fields are kept aside (`ignored_fields`) to be named in the answer, not refused (sdk_fields.py)
+    model_config = ConfigDict(extra="allow", strict=True)
+    UNSUPPORTED: ClassVar[dict] = sdk_fields.UNSUPPORTED
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
@@ -182,6 +183,8 @@ class _Common(ConstraintFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's: the stop tokens (EOS) cannot be chosen before this many tokens (engine/sampling.py)
+    min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     # extensions
     top_k: int | None = None
     min_p: float | None = Field(default=None, allow_inf_nan=False)
@@ -191,20 +194,26 @@ class _Common(ConstraintFields):
     speculative: SpeculativeOptions | None = None
     ignore_eos: bool = False
 
-    @field_validator(*NEUTRAL, check_fields=False)  # some are declared by one subclass only
+    @model_validator(mode="before")
     @classmethod
-    def _neutral(cls, v, info):
-        accepted, message = NEUTRAL[info.field_name]
-        if v not in accepted:
-            raise ValueError(message.format(v=v))
-        return v
+    def _unsupported(cls, body):
+        sdk_fields.refuse_unsupported(body, cls.UNSUPPORTED)
+        return body
 
     @model_validator(mode="after")
     def _one_limit(self):
+        sdk_fields.check_unknown(self.model_extra or {}, type(self).model_fields)
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        limit = self.tokens_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({limit})")
         return self
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields the body gave: ignored, and named in the answer's header."""
+        return sorted(self.model_extra or {})
 
     def tokens_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -223,7 +232,7 @@ class _Common(ConstraintFields):
     def sampling_options(self) -> dict:
         """The `SamplingParams` keywords this body sets (logprobs: the subclass adds them)."""
         opts = {"temperature": self.greedy_temperature, "seed": self.seed, "stop": tuple(self.stop_strings),
-                "logprobs_mode": self.logprobs_mode,
+                "logprobs_mode": self.logprobs_mode, "min_tokens": self.min_tokens,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
         for name, value in (("top_p", self.top_p), ("top_k", self.top_k), ("min_p", self.min_p),
                             ("presence_penalty", self.presence_penalty),
@@ -266,7 +275,6 @@ class CompletionRequest(_Common):
     prompt: Any
     best_of: int | None = None
     echo: bool | None = False
-    suffix: str | None = None
     logprobs: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -312,12 +320,18 @@ def _one_prompt(v):
 
 
 class ChatCompletionRequest(_Common):
+    UNSUPPORTED: ClassVar[dict] = {**sdk_fields.UNSUPPORTED, **sdk_fields.CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the chat template's: passed to it (a template that does not read one is unchanged by it)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _limits(self):
@@ -325,7 +339,17 @@ class ChatCompletionRequest(_Common):
             raise ValueError("max_tokens: must be >= 1 for chat")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        sdk_fields.check_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message: needs add_generation_prompt false and an assistant message "
+                             "last")
         return self
+
+    def template_options(self) -> dict:
+        """What the chat template is given besides the messages and tools."""
+        extra = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**(self.chat_template_kwargs or {}), **extra, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def sampling_options(self) -> dict:
         return {**super().sampling_options(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}

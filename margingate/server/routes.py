@@ -1,12 +1,16 @@
-"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions.
+"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions (and
+/tokenize, /detokenize: tokenization.py).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
+
+import logging
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
+from . import sdk_fields, tokenization
 from .errors import json_error
 from .jobs import Job, abort_all, complete, next_event
 from .metrics import CONTENT_TYPE
@@ -17,6 +21,8 @@ from .streaming import EventStream, stream
 from .worker import Handle, QueueFull, ShuttingDown
 
 router = APIRouter()
+router.include_router(tokenization.router)  # /tokenize, /detokenize
+log = logging.getLogger("margingate.server")
 
 
 def state_of(req: HTTPRequest) -> ServerState:
@@ -89,9 +95,12 @@ async def generate(state: ServerState, req: HTTPRequest, kind: str) -> Response:
         state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
         return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
     handles = submit(state, job)
-    if isinstance(handles, Response):
-        return handles
-    return await answer(state, job, handles, req)
+    response = handles if isinstance(handles, Response) else await answer(state, job, handles, req)
+    ignored = job.params.ignored_fields()
+    if ignored:  # said, not refused: the client learns what had no effect
+        log.info("%s: ignored unknown fields: %s", job.id, ", ".join(ignored))
+        response.headers[sdk_fields.IGNORED_HEADER] = sdk_fields.header_value(ignored)
+    return response
 
 
 def submit(state: ServerState, job: Job) -> list[Handle] | Response:

@@ -42,9 +42,9 @@ class ServerState:
         m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
 
     # --- tokenizer (serialized) -----------------------------------------------------
-    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None, **template) -> list[int]:
         with self.tokenizer_lock:
-            return self.llm.tokenizer.encode_prompt(prompt, tools)
+            return self.llm.tokenizer.encode_prompt(prompt, tools, **template)
 
     def decode(self, ids: list[int]) -> str:
         with self.tokenizer_lock:

@@ -1,17 +1,21 @@
 """Tool calls on chat completions: `tools` and `tool_choice` in, OpenAI's `tool_calls` out.
 
-- `required` and a named function are enforced by the grammar (`structured.py`), so they always
-  parse. A named function's output is its arguments, a JSON object of its `parameters` schema;
-  `required`'s is a JSON array of one or more {"name", "parameters"} objects, one of the tools each
-  (vLLM's formats).
-- `auto` uses the chat template's own tool format where the model's template defines one (the
-  Hermes `<tool_call>{...}</tool_call>` blocks of Qwen, Hermes and SmolLM3): the template is given
-  the tools and the answer's blocks are parsed. A template with none is a 400 that says so.
-- `none` (and no tools): plain text.
+Calls are `<tool_call>` blocks (`tool_format.py`) on every model. A template with a tool format of its
+own (Qwen, Hermes, SmolLM3: the same blocks) gets the tools and renders the calls sent back itself; a
+template without one gets our system turn that lists the tools and teaches the blocks, and the calls
+sent back as the blocks the model wrote, so an agent loop gives the model back its own tokens.
 
-Messages carry calls back: an assistant message's `tool_calls` and `role: tool` answers. A template
-with a tool format renders them itself; for one without, an assistant's calls are written as the
-`required` array the model produced, so an agent loop gives the model back its own tokens.
+- `none` (and no tools): plain text.
+- `auto` (the default with tools): text or calls. Without a template format the grammar holds an answer
+  that opens a call to the format from its first character; with one the model's own format is trusted
+  and only parsed.
+- `required` and a named function: calls only, enforced by the grammar, so they always parse.
+- `parallel_tool_calls: false` allows one call; otherwise at most one per tool offered, so a model that
+  would repeat its call stops instead of running to max_tokens.
+
+A block that does not parse, names a function that is not offered or exceeds the calls allowed is
+never made a call and never dropped: it stays in `content` after a `[margingate: not a tool call ...]`
+marker.
 """
 from __future__ import annotations
 
@@ -21,14 +25,15 @@ import uuid
 from typing import Any
 
 from ..options.structured import StructuredOutput
-from .formats import NamedToolChoice, Tool
+from . import tool_format
+from .formats import NamedToolChoice
 from .protocol import BadRequest
 
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+BLOCK = re.compile(re.escape(tool_format.OPEN) + r"(.*?)(?:" + re.escape(tool_format.CLOSE) + r"|\Z)", re.DOTALL)
 
 
 def template_format(chat_template: str | None) -> str | None:
-    """The tool format the model's chat template defines: "hermes", or None."""
+    """The tool format the model's chat template defines: "hermes", or None (ours is used)."""
     return "hermes" if chat_template and "tools" in chat_template and "<tool_call>" in chat_template else None
 
 
@@ -50,78 +55,66 @@ def mode(params) -> str:
     return choice or "auto"
 
 
-def _schema(tool: Tool) -> dict:
-    return tool.function.parameters or {"type": "object"}
-
-
-def constraint(params, tool_mode: str, chat_template: str | None) -> StructuredOutput | None:
-    """The grammar that enforces `required` or a named function; checks that `auto` has a format."""
-    if tool_mode == "auto" and template_format(chat_template) is None:
-        raise BadRequest('tool_choice "auto" needs the model\'s chat template to define a tool format, and this '
-                         'model\'s template has none: use tool_choice "required" or name a function',
-                         param="tool_choice")
+def offered(params, tool_mode: str) -> list:
+    """The tools a call may name: the named one, or all."""
     if tool_mode == "named":
-        tool = next(t for t in params.tools if t.function.name == params.tool_choice.function.name)
-        return StructuredOutput(json=_schema(tool))
-    if tool_mode == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _schema(t)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in params.tools]
-        return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
-    return None
+        return [t for t in params.tools if t.function.name == params.tool_choice.function.name]
+    return list(params.tools or []) if tool_mode != "none" else []
+
+
+def max_calls(params, tool_mode: str) -> int:
+    return 1 if tool_mode == "named" or params.parallel_tool_calls is False else len(params.tools)
+
+
+def constraint(params, tool_mode: str, tool_format_name: str | None) -> StructuredOutput | None:
+    """The grammar that holds the answer to the calls' format (None: unconstrained)."""
+    if tool_mode == "none" or (tool_mode == "auto" and tool_format_name is not None):
+        return None
+    grammar = tool_format.grammar(offered(params, tool_mode), max_calls(params, tool_mode), text=tool_mode == "auto")
+    return StructuredOutput(grammar=grammar)
 
 
 def _call(name: str, arguments: Any) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    # arguments the model wrote as a JSON string are that string, not encoded a second time
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _read(body: str, closed: bool, names: set[str]) -> tuple[dict | None, str | None]:
+    """A block's call, or why it is none."""
+    if not closed:
+        return None, f"no closing {tool_format.CLOSE}"
+    try:
+        call = json.loads(body)
+    except ValueError as exc:
+        return None, f"not JSON: {exc}"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None, 'not an object with a "name"'
+    if call["name"] not in names:
+        return None, f"{call['name']!r} is not one of the tools"
+    arguments = call.get("arguments", call.get("parameters", {}))  # "parameters": vLLM's spelling
+    if not isinstance(arguments, (dict, str)):
+        return None, "arguments are not a JSON object"
+    return _call(call["name"], arguments), None
 
 
 def parse(text: str, params, tool_mode: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer; text that does not parse (cut by max_tokens) stays content."""
-    try:
-        if tool_mode == "named":
-            return None, [_call(params.tool_choice.function.name, json.loads(text))]
-        if tool_mode == "required":
-            return None, [_call(c["name"], c["parameters"]) for c in json.loads(text)]
-        if tool_mode == "auto":
-            calls = [json.loads(block) for block in HERMES.findall(text)]
-            content = HERMES.sub("", text).strip() or None
-            return content, [_call(c["name"], c.get("arguments", {})) for c in calls]
-    except (ValueError, KeyError, TypeError):
-        pass
-    return text, []
-
-
-def message_dicts(params, tool_format: str | None) -> list[dict]:
-    """The chat's messages as the template gets them: tool calls and tool answers included."""
-    out = []
-    for m in params.messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.tool_calls:
-            calls = [{"name": c.function.name, "parameters": _arguments(c.function.arguments)} for c in m.tool_calls]
-            if tool_format is None:  # written as the model wrote them (`required`'s array)
-                d["content"] = (d["content"] or "") + json.dumps(calls, ensure_ascii=False)
-            else:
-                d["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["parameters"]}}
-                                   for c in calls]
-        if m.tool_call_id is not None and tool_format is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise BadRequest("messages: a tool call's function.arguments must be a JSON string",
-                         param="messages") from None
-
-
-def template_tools(params, tool_format: str | None) -> list[dict] | None:
-    """The tools as a template with a tool format takes them (None: the template gets none)."""
-    if tool_format is None or not params.tools:
-        return None
-    return [t.model_dump(exclude_none=True) for t in params.tools]
+    """(content, tool_calls) of an answer. A block that is no call stays in content after a marker."""
+    names = {t.function.name for t in offered(params, tool_mode)}
+    limit = max_calls(params, tool_mode)
+    content, calls, end = [], [], 0
+    for m in BLOCK.finditer(text):
+        content.append(text[end:m.start()])
+        end = m.end()
+        call, why = _read(m.group(1), m.group(0).endswith(tool_format.CLOSE), names)
+        if call is not None and len(calls) >= limit:
+            call, why = None, f"more than {limit} call{'s' if limit > 1 else ''} (parallel_tool_calls)"
+        if call is not None:
+            calls.append(call)
+        else:
+            content.append(f"[margingate: not a tool call ({why})]\n{m.group(0)}")
+    content.append(text[end:])
+    return "".join(content).strip() or None, calls
 
 
 def answer(params, tool_mode: str, text: str, reason: str | None) -> tuple[dict, str | None]:
@@ -133,3 +126,45 @@ def answer(params, tool_mode: str, text: str, reason: str | None) -> tuple[dict,
     if not calls:
         return {"content": content}, reason
     return {"content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+
+
+# --- the prompt -------------------------------------------------------------------------------
+
+def message_dicts(params, tool_format_name: str | None, tool_mode: str) -> list[dict]:
+    """The chat's messages as the template gets them: tool calls and tool answers included, and (a
+    template without a tool format) our system turn offering the tools."""
+    out = []
+    for m in params.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+            if tool_format_name is None:  # as the model wrote them
+                d["content"] = "\n".join([*([d["content"]] if d["content"] else []),
+                                          *(tool_format.block(n, a) for n, a in calls)])
+            else:
+                d["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+        if m.tool_call_id is not None and tool_format_name is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    if tool_format_name is None and tool_mode != "none":
+        offer = tool_format.system_prompt(offered(params, tool_mode), max_calls(params, tool_mode))
+        if out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{offer}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": offer})
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise BadRequest("messages: a tool call's function.arguments must be a JSON string",
+                         param="messages") from None
+
+
+def template_tools(params, tool_format_name: str | None) -> list[dict] | None:
+    """The tools as a template with a tool format takes them (None: the template gets none)."""
+    if tool_format_name is None or not params.tools:
+        return None
+    return [t.model_dump(exclude_none=True) for t in params.tools]
