@@ -52,7 +52,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None       # each output token's logprob and its top `logprobs` alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo scoring)
-    stop: tuple[str, ...] = ()        # stop strings: the output ends with the token completing one (stops.py)
+    stop: tuple[str, ...] = ()        # stop strings: the output ends with the token completing one (detokenize.py)
     structured: StructuredOutput | None = None  # what the output must match (engine/structured.py)
     # logprobs of the model's distribution ("raw") or of the one the row samples from ("processed": after
     # bias, penalties, the grammar's mask, temperature and filters); None: processed when constrained

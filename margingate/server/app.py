@@ -13,8 +13,9 @@ request (triggers, repairs, rollbacks, ...) plus the environment the contract
 depends on.
 
 The parts: config.py (settings), state.py (what one app holds), worker.py (the engine thread),
-parsing.py (body -> Job), jobs.py (events -> answer), streaming.py (SSE), text.py (detokenizing,
-stop strings), routes.py, guard.py (API key, request counts), errors.py, protocol.py, metrics.py.
+parsing.py (body -> Job), jobs.py (events -> answer), streaming.py (SSE; the text and its stop
+strings are the engine's: engine/detokenize.py), routes.py, guard.py (API key, request counts),
+errors.py, protocol.py, metrics.py.
 """
 from __future__ import annotations
 

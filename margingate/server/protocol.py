@@ -14,7 +14,7 @@ What is supported, and what is refused with a 400 naming the field:
 - `temperature` defaults to 0 (greedy), unlike OpenAI's 1: the server's point is reproducible
   output; values below 1e-5 are greedy (as vLLM does); at most 2;
 - `stop`: a string or up to 4 strings (the text is cut before the stop string; token ids, logprobs
-  and usage end with the token that completes it: `engine/stops.py`);
+  and usage end with the token that completes it: `engine/detokenize.py`);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
   verifier_precision, defer, window, group}, `speculative` {method, num_tokens, ngram_max,
   ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
