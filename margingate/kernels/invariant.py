@@ -1,4 +1,4 @@
-"""The batch-invariant kernels (C++, `csrc/`), built on first use and cached.
+"""The batch-invariant kernels (C++, `csrc/`, built and loaded by `extension.py`) and which linear path runs.
 
 Every reduction here has an order that is a function of the row alone: not of
 the number of rows, the row's place among them, the torch thread count, or the
@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import warnings
-from pathlib import Path
 
 import torch
 
 from ..errors import KernelBuildError
-from . import isa_units
+from .extension import build_dir, load
 from .packing import PackedWeight
 from .quant_pack import QuantWeight
 
-_CSRC = Path(__file__).parent / "csrc"
-# Baseline AVX2 + FMA, no -march=native: the same instructions on every x86 CPU that has them;
-# linear_avx512.cpp, linear_avx512bf16.cpp and linear_amx.cpp raise their own target (a pragma),
-# each in its own unit, and run only where the CPU has it. -ffp-contract=off: the compiler never fuses a mul and an add.
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 FORCE_ISA = "MARGINGATE_FORCE_ISA"
 ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")  # the linear's paths, fastest first
 FORCE_INT8 = "MARGINGATE_FORCE_INT8"
@@ -42,37 +34,10 @@ class IsaError(KernelBuildError):
     """MARGINGATE_FORCE_ISA names a path this CPU cannot run, or no path at all."""
 
 
-def build_dir() -> Path:
-    """Where the compiled extension is cached, keyed by torch version."""
-    root = Path(os.environ.get("MARGINGATE_CACHE", Path.home() / ".cache" / "margingate"))
-    path = root / "kernels" / f"torch-{torch.__version__}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 @functools.cache
 def ops():
-    """The compiled module (built on first call, then loaded from the cache)."""
-    missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None
-               and not (tool == "ninja" and _has_ninja_module())]
-    if missing:
-        raise KernelBuildError(f"cannot build margingate's invariant kernels: {', '.join(missing)} not found "
-                               "(install g++ from your distribution and `pip install ninja`)")
-    from torch.utils.cpp_extension import load
-
-    sources, defines = isa_units.sources_and_defines(_CSRC, units_built())
-    lock = build_dir() / "lock"  # torch's build lock: held while another process builds, left by a killed build
-    if lock.exists():
-        warnings.warn(f"waiting for {lock}: another process is building margingate's kernels, or a build "
-                      "that was stopped left it behind (then delete it)", stacklevel=2)
-    try:
-        mod = load(name="margingate_invariant", sources=sources,
-                   extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS + defines,
-                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
-    except Exception as exc:  # compiler errors, missing headers
-        raise KernelBuildError(f"building margingate's invariant kernels failed: {exc}") from exc
-    if not mod.cpu_supported():
-        raise KernelBuildError("margingate's invariant kernels need a CPU with AVX2 and FMA")
+    """The compiled module (extension.load), with the linear paths the environment forces."""
+    mod = load()
     forced = os.environ.get(FORCE_ISA, "")
     if forced:  # `MARGINGATE_FORCE_ISA=avx2 margingate check ...`: audit that every path gives the same bits
         use_path(forced, mod)
@@ -80,15 +45,6 @@ def ops():
     if forced:  # `MARGINGATE_FORCE_INT8=int8-avx2 margingate check ...`: the same audit for quantized matrices
         use_int8_path(forced, mod)
     return mod
-
-
-@functools.cache
-def units_built() -> dict[str, bool]:
-    """{ISA path: whether this machine's compiler builds its unit} (isa_units; cached per compiler)."""
-    try:
-        return isa_units.buildable(_CSRC, _CFLAGS, build_dir() / "isa_units.json", os.environ.get("CXX", "c++"))
-    except RuntimeError as exc:
-        raise KernelBuildError(f"cannot build margingate's invariant kernels: {exc}") from exc
 
 
 def use_path(name: str, mod=None) -> None:
@@ -126,15 +82,6 @@ def linear_path() -> str:
 def linear_paths() -> list[str]:
     """The paths that are built, that this CPU runs and that passed their load-time proof, fastest first."""
     return list(ops().linear_paths())
-
-
-def _has_ninja_module() -> bool:
-    try:
-        import ninja  # noqa: F401
-    except ImportError:
-        return False
-    os.environ["PATH"] = f"{Path(ninja.BIN_DIR)}{os.pathsep}{os.environ.get('PATH', '')}"
-    return True
 
 
 def linear(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .extension import load
 from .packing import PANEL, PackedWeight
 
 MAGIC, ALIGN, PART_WORDS = 0x3251474D, 64, 12
@@ -85,14 +86,12 @@ class QuantWeight:
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """W[index] ([..., k] bf16): an embedding lookup, dequantized row by row."""
-        from . import invariant
-        got = invariant.ops().dequantize_rows(self.data, index.reshape(-1))
+        got = load().dequantize_rows(self.data, index.reshape(-1))
         return got.reshape(*index.shape, self.k)
 
     def unpack(self) -> torch.Tensor:
         """The plain [n, k] bf16 matrix (a new tensor): the library kernels' copy."""
-        from . import invariant
-        return PackedWeight(invariant.ops().dequantize_packed(self.data), self.n, self.k).unpack()
+        return PackedWeight(load().dequantize_packed(self.data), self.n, self.k).unpack()
 
 
 def panelable(parts: list[QuantCodes]) -> bool:
