@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from . import export, generate, score
-from .analysis import bench, calibrate, check, demo, flips, linear_bench, score_bench, selftest, spec_bench
+from .commands import bench, calibrate, check, demo, flips, linear_bench, score_bench, selftest, spec_bench
 from .data.prompts import PromptFileError
 from .errors import KernelBuildError
 from .server import cli as serve

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from margingate.analysis import selftest
+from margingate.commands import selftest
 from margingate.data.prompts import builtin_prompts
 from margingate.kernels import invariant as K
 from margingate.kernels import isa_units

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import cli_args
+from ..analysis.compare import judge, summary
+from ..analysis.outputs import machine_line, percent
+from ..analysis.runs import CachedRuns, batches, staggered
 from ..data.prompts import Prompt
 from ..distributed.options import add_ray_args, worker_pool
 from ..options import PolicySpec
-from .compare import judge, summary
-from .outputs import machine_line, percent
-from .runs import CachedRuns, batches, staggered
 
 if TYPE_CHECKING:  # the facade and the policies load the model stack: only when the command runs
     from ..engine.policy import Policy

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .. import cli_args
-from .outputs import write_report
+from ..analysis.outputs import write_report
 
 ROWS = (1, 16, 64, 256, 2048)
 

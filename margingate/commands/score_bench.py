@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from .. import cli_args
+from ..analysis.outputs import machine_line, write_report
 from ..data.datasets import dataset_prompts
-from .outputs import machine_line, write_report
-from .peers import VLLMPeer, run_worker
+from ..peers import VLLMPeer, run_worker
 
 ALONE = 8  # prompts scored alone by each side, for the invariance check
 

@@ -5,8 +5,8 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import cli_args
+from ..analysis.compare import counter_totals, first_divergence
 from ..data.prompts import builtin_prompts
-from .compare import counter_totals, first_divergence
 
 if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
     from ..llm import LLM

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import cli_args
-from . import plots
-from .compare import flip_rates, judge, reference_tokens
-from .diagnostics import (
+from ..analysis import plots
+from ..analysis.compare import flip_rates, judge, reference_tokens
+from ..analysis.diagnostics import (
     DELTA_K,
     aligned_deviation,
     delta_stats,
@@ -36,11 +36,11 @@ from .diagnostics import (
     repaired_deviation,
     step_samples,
 )
-from .outputs import fmt, write_report
-from .runs import add_run_args, cache_dir_of, load_prompts
+from ..analysis.outputs import fmt, write_report
+from ..analysis.runs import add_run_args, cache_dir_of, load_prompts
 
 if TYPE_CHECKING:
-    from .traces import TraceRunner
+    from ..analysis.traces import TraceRunner
 
 
 @dataclass
@@ -59,7 +59,7 @@ class FlipsConfig:
 
 
 def run_flips(llm, cfg: FlipsConfig, cache_dir: Path | None, progress: bool = True) -> dict:
-    from .traces import TraceRunner  # its policies load torch: only when a command runs
+    from ..analysis.traces import TraceRunner  # its policies load torch: only when a command runs
 
     t0 = time.perf_counter()
     prompts = load_prompts(llm, cfg.dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)

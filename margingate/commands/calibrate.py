@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import cli_args
+from ..analysis import plots
+from ..analysis.compare import flip_rates, judge, overhead, reference_tokens, summary
+from ..analysis.diagnostics import delta_stats, margins, step_samples
+from ..analysis.outputs import fmt, write_report
+from ..analysis.runs import add_run_args, batches, cache_dir_of, load_prompts
 from ..environment import versions
 from ..options import PolicySpec
-from . import plots
-from .compare import flip_rates, judge, overhead, reference_tokens, summary
-from .diagnostics import delta_stats, margins, step_samples
-from .outputs import fmt, write_report
-from .runs import add_run_args, batches, cache_dir_of, load_prompts
 
 if TYPE_CHECKING:
-    from .traces import TraceRunner
+    from ..analysis.traces import TraceRunner
 
 FAST = PolicySpec("fast")
 #: the margin policy swept: replay repair, strict=False (a flip the gate misses is counted, not hidden)
@@ -115,7 +115,7 @@ def summarise(judged: list[dict], seconds: float, fast_seconds: float) -> dict:
 
 def traced_references(llm, cfg: CalibrateConfig, dataset: str, cache_dir, progress) -> tuple:
     """The dataset's prompts, a runner over them and their traced references."""
-    from .traces import TraceRunner  # its policies load torch: only when a command runs
+    from ..analysis.traces import TraceRunner  # its policies load torch: only when a command runs
 
     prompts = load_prompts(llm, dataset, cfg.limit, cfg.seed, cfg.max_prompt_tokens)
     ids = [llm.tokenizer.encode_prompt(p) for p in prompts]

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from .. import cli_args
+from ..analysis import compare, plots
+from ..analysis.outputs import machine_line, percent, rss_mb, write_report
+from ..analysis.passes import format_profile, pass_profile
+from ..analysis.roofline import StepCost, format_roofline, measure, roofline
+from ..analysis.runs import CachedRuns
 from ..environment import kept_quantized
 from ..options import PolicySpec
-from . import compare, plots
-from .outputs import machine_line, percent, rss_mb, write_report
-from .passes import format_profile, pass_profile
-from .peers import PEERS, make_peers
-from .roofline import StepCost, format_roofline, measure, roofline
-from .runs import CachedRuns
+from ..peers import PEERS, make_peers
 
 if TYPE_CHECKING:  # the facade loads the model stack: only when the command runs
     from ..llm import LLM

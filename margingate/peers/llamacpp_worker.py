@@ -3,7 +3,8 @@
 
 JOB (JSON): the GGUF path, prompt token ids, max_new_tokens, batch_size, repeats, warmup, threads.
 RESULT (JSON): wall seconds of each timed run of all prompts, their outputs, each prompt's output
-decoded alone (a batch of one), the llama-cpp-python version and the context's settings.
+decoded alone (a batch of one), the llama-cpp-python version and the context's settings. A JOB with
+`continuations` (token ids per prompt) asks instead for the logprob of each of their tokens.
 
 Decoding goes through llama.cpp's low-level API (`llama_batch_init`, `llama_decode`), one sequence
 id per request, each with its own KV (n_seq_max = B, n_ctx = B x the longest prompt + output,
@@ -58,6 +59,10 @@ class Decoder:
     def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """One llama_decode of (token, position, sequence, wants logits) rows; the argmax of each
         row that wants logits, in order."""
+        return self._logits(tokens).argmax(axis=1)  # the first maximum: ties go to the lowest id
+
+    def _logits(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """One llama_decode; the logits of each row that wants them, in order ([rows, vocab] fp32)."""
         b = self.batch
         for i, (tok, pos, seq, out) in enumerate(tokens):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
@@ -68,8 +73,17 @@ class Decoder:
             raise RuntimeError(f"llama_decode returned {rc}")
         rows = sum(out for *_, out in tokens)
         ptr = ctypes.cast(lc.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float))
-        logits = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
-        return logits.argmax(axis=1)  # the first maximum: ties go to the lowest id
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+
+    def score(self, prompt: list[int], continuation: list[int]) -> list[float]:
+        """The logprob of each continuation token after the prompt (one llama_decode, every row's logits)."""
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        seq = prompt + continuation
+        rows = [(tok, pos, 0, pos >= len(prompt) - 1) for pos, tok in enumerate(seq[:-1])]
+        logits = self._logits(rows).astype(np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        return [float(logits[i, t] - logz[i]) for i, t in enumerate(continuation)]
 
     def group(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         """Exactly `n` greedy tokens after each prompt, all decoded together (sequence s = prompts[s])."""
@@ -104,7 +118,14 @@ def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     ids, n, b = job["prompt_ids"], job["max_new_tokens"], job["batch_size"]
     longest = max(map(len, ids))
-    dec = Decoder(job["gguf"], b, context=longest + n + 1, prefill=b * longest, threads=job["threads"])
+    prefill = b * (longest + n if "continuations" in job else longest)  # scoring decodes the continuation too
+    dec = Decoder(job["gguf"], b, context=longest + n + 1, prefill=prefill, threads=job["threads"])
+    if "continuations" in job:  # scoring: the logprobs of given continuations, nothing timed
+        scores = [dec.score(p, c) for p, c in zip(ids, job["continuations"])]
+        dec.close()
+        with open(result_path, "w") as f:
+            json.dump({"logprobs": scores, "version": lc.__version__}, f)
+        return
     for _ in range(job["warmup"]):
         dec.run(ids[:b], n, b)
     seconds, outputs = [], None

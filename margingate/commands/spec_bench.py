@@ -21,10 +21,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import cli_args
+from ..analysis.outputs import machine_line, write_report
 from ..data.prompts import Prompt
 from ..engine import Request
 from ..options import SpeculativeConfig
-from .outputs import machine_line, write_report
 
 CODE = '''def mean(xs):
     total = 0
@@ -141,7 +141,7 @@ def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: in
 def llamacpp_rows(llm, folder: Path, prompts: list[str], ks: list[int], tokens: int, repeats: int) -> dict:
     """llama.cpp's prompt-lookup decoding on the same prompt ids, alone, plain and at each k
     (`llamacpp_lookup_worker.py`): ms/token, and whether its tokens are its own plain tokens."""
-    from .peers import LlamaCppPeer, run_worker
+    from ..peers import LlamaCppPeer, run_worker
 
     peer = LlamaCppPeer(folder, llm.engine.num_threads)
     data = run_worker(peer.python, "llamacpp_lookup_worker.py", {
@@ -212,7 +212,7 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out: Path) -> list[Path]:
-    from .plots import _plt, _save
+    from ..analysis.plots import _plt, _save
 
     if not report.get("pass_cost"):
         return []
