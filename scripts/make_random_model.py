@@ -4,7 +4,7 @@
 
 Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
 (hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; the Qwen3-MoE ones
-(moe-tiny, moe-a1b) in SIZES' comment. No hub is
+(moe-tiny, moe-a1b) and Qwen3-1.7B's dense one (qwen3-1.7b) in SIZES' comments. No hub is
 reachable here, so the vocabulary, tokenizer files, bos/eos ids, rope_theta, rms_norm_eps and
 context length are the embedded SmolLM2-135M's (vocab 49152; rope_theta 100000, not Llama 3's
 500000: a speed run does not care, and the folder then says nothing the embedded model does not).
@@ -33,7 +33,9 @@ SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
     # machine's 24 GiB: "moe-a1b" keeps its hidden size, heads, top-8 and expert width with 16 layers of 64.
     "moe-tiny": (256, 512, 2, 4, 2, 64),
     "moe-a1b": (2048, 6144, 16, 32, 4, 128),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128),  # Qwen3-1.7B's dense shape (q/k norms)
 }
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 MOE = {"moe-tiny": (8, 2, 128), "moe-a1b": (64, 8, 768)}  # experts, experts per token, expert intermediate
 SHARD_BYTES = 2 * 10**9
 STD = 0.02
@@ -45,7 +47,7 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
     """config.json: the shape of `size`; vocabulary, special ids, RoPE base and norm epsilon of `base`
     (the embedded model's config.json)."""
     hidden, inter, n_layers, heads, kv, head_dim = SIZES[size]
-    moe = {}
+    moe = QWEN3 if size.startswith("qwen3") else {}
     if size in MOE:
         experts, k, moe_inter = MOE[size]
         moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
@@ -74,13 +76,14 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "self_attn.q_proj.weight", (q, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
                 (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, q)),
                 (p + "post_attention_layernorm.weight", (hidden,))]
+        if cfg["model_type"] != "llama":  # Qwen3's q/k norms
+            out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
         if "num_experts" not in cfg:
             out += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
                     (p + "mlp.down_proj.weight", (hidden, inter))]
             continue
         moe = cfg["moe_intermediate_size"]
-        out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,)),
-                (p + "mlp.gate.weight", (cfg["num_experts"], hidden))]
+        out += [(p + "mlp.gate.weight", (cfg["num_experts"], hidden))]
         for e in range(cfg["num_experts"]):
             x = f"{p}mlp.experts.{e}."
             out += [(x + "gate_proj.weight", (moe, hidden)), (x + "up_proj.weight", (moe, hidden)),
@@ -184,7 +187,7 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,moe-a1b,moe-tiny}")
+    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,moe-a1b,moe-tiny,qwen3-1.7b}")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
