@@ -134,12 +134,12 @@ def test_the_state_holds_each_matrix_as_its_block_type_and_says_whether_to_keep_
     """Only the matrices are quantized (lazily: nothing is quantized until the model is built); the norms
     stay as they are; contract=None (--weights bf16) asks the build for their dequantized values."""
     from margingate.models.loader import load_config, load_state_dict
-    from margingate.models.quantize import QuantizedMatrix, quantize_state
+    from margingate.models.quantize import QuantizedAtLoad, quantize_state
     from margingate.models.weights import matrix_names
 
     state = load_state_dict(model_dir)
     quantized = quantize_state(state, load_config(model_dir), "q4_k", contract=None)
-    kinds = {n: t.type_name for n, t in quantized.items() if isinstance(t, QuantizedMatrix)}
+    kinds = {n: t.type_name for n, t in quantized.items() if isinstance(t, QuantizedAtLoad)}
     assert set(kinds) == set(matrix_names(load_config(model_dir))) and len(kinds) == 1 + 30 * 7
     assert {n for n, k in kinds.items() if k == "Q4_K"} == {f"model.layers.{i}.mlp.down_proj.weight" for i in range(30)}
     assert quantized["model.norm.weight"] is state["model.norm.weight"]

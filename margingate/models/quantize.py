@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .gguf_quant import quant_codes
 from .loader import Checkpoint, gguf_parts
 from .q4_k import quantize_q4_k
-from .weights import QuantMatrix, matrix_names
+from .weights import BlockSource, matrix_names
 
 # under each --quantize, the block types tried in turn: the first whose block divides a row is used
 FALLBACK = {"q8_0": ("Q8_0",), "q4_k": ("Q4_K", "Q8_0")}
@@ -76,7 +76,7 @@ def _check_scales(blocks: np.ndarray, type_name: str, name: str, x: np.ndarray) 
                             f"{type_name}'s fp16 block scales (at most 65504)")
 
 
-class QuantizedMatrix(QuantMatrix):
+class QuantizedAtLoad(BlockSource):
     """A bf16 matrix held as `type_name` blocks: quantized when the model is built (one matrix at a time,
     as a GGUF's are read), decoded by the GGUF decoder."""
 
@@ -92,12 +92,12 @@ class QuantizedMatrix(QuantMatrix):
 
 
 def quantize_state(state: Checkpoint, config: ModelConfig, quantize: str, contract: str | None = "int8") -> Checkpoint:
-    """`state` with each of the model's matrices a QuantizedMatrix of its block type (the others as they
+    """`state` with each of the model's matrices a QuantizedAtLoad of its block type (the others as they
     are), kept under `contract` ("int8" or "exact"); None: the model dequantizes them at build
     (--weights bf16: the same values in bf16)."""
     out = Checkpoint(dict(state), state.source, contract=contract)
     for name in matrix_names(config):
         kind = block_type(state[name].shape[-1], quantize) if name in state else None  # missing: check names it
         if kind is not None:
-            out[name] = QuantizedMatrix(state[name], kind, name)
+            out[name] = QuantizedAtLoad(state[name], kind, name)
     return out

@@ -24,9 +24,9 @@ class WeightsError(ValueError):
     """A checkpoint's tensors do not match what its config.json says the model is."""
 
 
-class QuantMatrix(ABC):
+class BlockSource(ABC):
     """A matrix held as GGUF blocks, decoded when the model is built: a GGUF file's
-    (gguf_quant.GGUFMatrix) or a bf16 one quantized at load (quantize.QuantizedMatrix). `build` keeps
+    (gguf_quant.GGUFMatrix) or a bf16 one quantized at load (quantize.QuantizedAtLoad). `build` keeps
     it quantized where it can, else uses its dequantized bf16 values."""
     shape: tuple[int, int]
 
@@ -38,7 +38,7 @@ class QuantMatrix(ABC):
         return self.codes().bf16()
 
 
-QuantMatrix.register(GGUFMatrix)
+BlockSource.register(GGUFMatrix)
 
 
 # packed (or kept quantized) for our kernels, plain for the library's
@@ -219,8 +219,8 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         if key not in names:
             return None
         parts = [state[n] for n in names[key]]
-        if any(isinstance(p, QuantMatrix) for p in parts):  # a GGUF's, or one quantized at load
-            codes = [p.codes() if isinstance(p, QuantMatrix) else None for p in parts]
+        if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
+            codes = [p.codes() if isinstance(p, BlockSource) else None for p in parts]
             if contract and _is_matrix(key) and all(codes) and panelable(codes):
                 return quant_weight(codes, contract)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
