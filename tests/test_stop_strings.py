@@ -258,3 +258,15 @@ def test_an_emoji_stop_cuts_inside_a_run_of_byte_tokens(client, llm):
     assert stop in free and len(llm.tokenizer.encode(stop)) > 1, free
     cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stop=stop).choices[0]
     assert cut.text == free[:free.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_the_engine_thread_decodes_without_the_handlers_tokenizer_lock(llm, server, client):
+    """A request's text and stop strings are decoded on the engine thread's own tokenizer copy: with the
+    lock that HTTP handlers take for the tokenizer held throughout, a request sent as token ids (nothing
+    for a handler to encode) still streams, stops at its stop string and answers."""
+    ids = llm.tokenizer.encode(ANIMALS)
+    with server.state.tokenizer_lock:
+        r = client.with_options(timeout=60, max_retries=0).completions.create(
+            model=MODEL, prompt=ids, max_tokens=64, temperature=0, stop=["Kafeki"],
+            extra_body={"determinism": {"policy": "reference"}})
+    assert r.choices[0].finish_reason == "stop" and "Kafeki" not in r.choices[0].text

@@ -52,6 +52,8 @@ class _Mark(NamedTuple):
 
 
 class Detokenizer:
+    """One request's text and stop strings (the module's docstring says how)."""
+
     def __init__(self, decode: Decode, stops: Sequence[str] = ()):
         self.decode, self.stops = decode, tuple(stops)
         self.reach = max((len(s) for s in self.stops), default=1) - 1  # chars before new text a stop may start at
@@ -83,7 +85,7 @@ class Detokenizer:
             self.text += complete[mark.done:]
         if len(complete) < len(window):  # a character is still incomplete: the window keeps growing
             self.marks.append(mark._replace(done=max(mark.done, len(complete)), chars=len(self.text)))
-        else:  # all emitted: the next window starts at the token before this one, for context
+        else:  # all emitted: the next window starts where this token's run began (context for its first)
             prefix = mark.read
             self.marks.append(_Mark(prefix, len(self.ids), len(self.decode(self.ids[prefix:])), len(self.text)))
         if self.stops and len(self.text) > before:

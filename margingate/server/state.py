@@ -5,7 +5,7 @@ import threading
 import time
 
 from ..data.prompts import Prompt
-from ..engine.detokenize import text_decoder
+from ..engine.detokenize import decode_text, text_decoder
 from ..engine.engine import Engine
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
@@ -47,5 +47,6 @@ class ServerState:
             return self.llm.tokenizer.encode_prompt(prompt, tools, **template)
 
     def decode(self, ids: list[int]) -> str:
+        """As the engine decodes a request's text (detokenize.py): /detokenize of a response's ids gives its text."""
         with self.tokenizer_lock:
-            return self.llm.tokenizer.decode(ids)
+            return decode_text(self.llm.tokenizer.hf, ids)
