@@ -28,6 +28,8 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(http):
     assert extra.headers[IGNORED_HEADER] == "prediction, verbosity, zz_vendor_option"  # reasoning_effort is ours
     assert IGNORED_HEADER not in plain.headers
     assert extra.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    odd = post(http, "/v1/completions", prompt="Hi", max_tokens=1, **{"line\nbreak": 1, "ünï": 2})
+    assert odd.status_code == 200 and odd.headers[IGNORED_HEADER] == "line\\nbreak, \\xfcn\\xef"
     r = post(http, "/v1/completions", prompt="Hi", max_tokens=2, determinsm={"policy": "reference"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "determinsm"
     assert "did you mean 'determinism'" in r.json()["error"]["message"]
@@ -98,6 +100,10 @@ def test_tokenize_and_detokenize_in_vllms_shapes(http, server):
 
 
 def test_cors_origins_when_asked(llm, http):
+    from margingate.cli import build_parser
+
+    given = build_parser().parse_args(["serve", "--cors-origins", "http://a.test", "http://b.test"]).cors_origins
+    assert given == ["http://a.test", "http://b.test"] and build_parser().parse_args(["serve"]).cors_origins == ()
     assert "access-control-allow-origin" not in http.get("/v1/models", headers={"Origin": "http://a.test"}).headers
     import httpx
 

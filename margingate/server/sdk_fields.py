@@ -74,6 +74,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def header_value(names: list[str], limit: int = 32) -> str:
-    """The ignored fields as one header line: ASCII (a header is latin-1), at most `limit` names."""
-    shown = [n.encode("ascii", "backslashreplace").decode()[:64] for n in names[:limit]]
+    """The ignored fields as one header line: printable ASCII, escaped (a name is any JSON string; a header
+    is latin-1 without line breaks), at most `limit` names."""
+    shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in names[:limit]]
     return ", ".join(shown) + (f", (+{len(names) - limit} more)" if len(names) > limit else "")
