@@ -4,8 +4,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import export, generate, score
-from .commands import bench, calibrate, check, demo, flips, linear_bench, score_bench, selftest, spec_bench
+from .commands import (
+    bench,
+    calibrate,
+    check,
+    demo,
+    export,
+    flips,
+    generate,
+    linear_bench,
+    score,
+    score_bench,
+    selftest,
+    spec_bench,
+)
 from .data.prompts import PromptFileError
 from .errors import KernelBuildError
 from .server import cli as serve

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from margingate.analysis import diagnostics as D
-from margingate.commands import flips as F
-from margingate.commands.calibrate import tau_grid
 from margingate.analysis.compare import flip_rates, gate_rates, judge, reference_tokens, summary
 from margingate.analysis.runs import batches, staggered
 from margingate.analysis.traces import TOPK, TraceRunner
+from margingate.commands import flips as F
+from margingate.commands.calibrate import tau_grid
 
 
 def _trace(tokens, topv, topi, dev=None, at_ref=None):

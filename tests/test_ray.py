@@ -16,8 +16,8 @@ import pytest
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's pydantic v1 idioms
 ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra: pip install 'margingate[ray]'")
 
-from margingate.commands.check import Checker  # noqa: E402
 from margingate.cli import build_parser  # noqa: E402
+from margingate.commands.check import Checker  # noqa: E402
 from margingate.distributed.offline import WorkerPool  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.options import PolicySpec  # noqa: E402

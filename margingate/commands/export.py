@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from . import cli_args
-from .models.named import DEFAULT_MODEL, NAMED
+from .. import cli_args
+from ..models.named import DEFAULT_MODEL, NAMED
 
 
 def add_parser(sub) -> None:
@@ -22,9 +22,9 @@ def add_parser(sub) -> None:
 def cmd_export(args) -> None:
     import gguf
 
-    from .models.gguf_export import write_atomically, write_gguf
-    from .models.loader import resolve_model_dir
-    from .models.quantize import check_source
+    from ..models.gguf_export import write_atomically, write_gguf
+    from ..models.loader import resolve_model_dir
+    from ..models.quantize import check_source
 
     check_source(args.model, args.quantize)  # before converting anything
     folder = resolve_model_dir(args.model)

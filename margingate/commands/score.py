@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from . import cli_args
-from .options import MAX_LOGPROBS
+from .. import cli_args
+from ..options import MAX_LOGPROBS
 
 
 def read_pairs(args, tokenizer) -> list[tuple[list[int], list[int]]]:

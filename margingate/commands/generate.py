@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from . import cli_args
-from .distributed.options import add_ray_args, worker_pool
+from .. import cli_args
+from ..distributed.options import add_ray_args, worker_pool
 
 
 def add_parser(sub) -> None:
