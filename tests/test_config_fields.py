@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from margingate.kv_cache import KVCache
 from margingate.models import config as config_module
 from margingate.models import rope_scaling
 from margingate.models.config import ModelConfig
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from margingate.kv_cache import KVCache
 from margingate.models import build_model
 from margingate.models.gemma3 import Gemma3Model
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 

@@ -10,9 +10,9 @@ import functools
 import pytest
 import torch
 
-from margingate.kv_cache import KVCache
 from margingate.models import gguf_import, loader, named
 from margingate.models.gguf_export import permute
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan, LlamaModel
 
 gguf = pytest.importorskip("gguf")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from margingate.kv_cache import KVCache
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 from margingate.models.weights import WeightsError

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from margingate.kv_cache import KVCache
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
 from margingate.models.loader import (
     ModelNotFoundError,

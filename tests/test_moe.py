@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from margingate.kernels import layers
-from margingate.kv_cache import KVCache
 from margingate.models import moe
 from margingate.models.config import ModelConfig
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 

@@ -10,8 +10,8 @@ import torch
 from margingate.data.prompts import Prompt
 from margingate.engine import Request
 from margingate.engine.engine import Engine, EngineConfig
-from margingate.kv_cache import KVCache
-from margingate.prefix_cache import PrefixCache
+from margingate.engine.prefix_cache import PrefixCache
+from margingate.models.kv_cache import KVCache
 
 SYSTEM = ("You are a patient tutor. Answer in short sentences, show each step of the reasoning, "
           "and finish with a one-line summary that starts with 'So'.")

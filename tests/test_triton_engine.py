@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (`pip install trit
 from margingate.engine import Request  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.kernels import triton as mt  # noqa: E402
-from margingate.kv_cache import KVCache  # noqa: E402
+from margingate.models.kv_cache import KVCache  # noqa: E402
 from margingate.models.llama import AttentionPlan, LlamaModel, resolve_kernels  # noqa: E402
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir  # noqa: E402
 from margingate.options import PolicySpec, SpeculativeConfig  # noqa: E402

@@ -157,7 +157,7 @@ def test_triton_attention_prompt_chunked_token_by_token():
 
 
 def test_triton_attention_reads_one_layer_of_the_cache():
-    from margingate.kv_cache import KVCache
+    from margingate.models.kv_cache import KVCache
 
     cache = KVCache(num_layers=2, num_slots=S, max_len=L, num_kv_heads=HKV, head_dim=D, dtype=torch.bfloat16,
                     device=DEV)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..options.speculative import SpeculativeError
 from .proposers import Proposer

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..options.engine import EngineConfig
-from ..prefix_cache import PrefixCache
 from .detokenize import Detokenizer
 from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
+from .prefix_cache import PrefixCache
 from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
 from .sampling import Choice, choose

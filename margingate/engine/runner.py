@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from ..models.llama import AttentionPlan, LlamaModel
 from .sequence import Sequence
 

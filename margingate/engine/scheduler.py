@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from .sequence import Sequence
 
 

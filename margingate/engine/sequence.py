@@ -10,7 +10,7 @@ from ..options.speculative import SpeculativeConfig
 from .proposers import Proposer, SpeculationStats
 
 if TYPE_CHECKING:
-    from ..kv_cache import SlotView
+    from ..models.kv_cache import SlotView
     from .detokenize import Detokenizer
     from .logprobs import TokenLogprob
     from .structured import Matcher

@@ -23,8 +23,8 @@ import torch
 
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionRows, attend
-from ..kv_cache import KVCache
 from .config import ModelConfig
+from .kv_cache import KVCache
 from .llama import LlamaModel
 from .weights import LayerWeights, ModelWeights
 

@@ -21,9 +21,9 @@ import torch
 from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
-from ..kv_cache import KVCache
 from . import moe, rope_scaling
 from .config import ModelConfig
+from .kv_cache import KVCache
 from .weights import LayerWeights, ModelWeights, build
 
 __all__ = ["AttentionPlan", "LlamaModel", "resolve_kernels"]

@@ -26,7 +26,7 @@ import torch
 from ..engine.policy import Policy, PolicyState, VerifyJob
 from ..engine.sampling import Choice
 from ..engine.sequence import Sequence
-from ..kv_cache import Column
+from ..models.kv_cache import Column
 from .reference import DTYPES
 
 

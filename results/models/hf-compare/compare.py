@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from margingate.kv_cache import KVCache
 from margingate.models import build_model
+from margingate.models.kv_cache import KVCache
 from margingate.models.llama import AttentionPlan
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
-from .options.engine import PREFIX_CACHE_TOKENS
+from ..models.kv_cache import KVCache
+from ..options.engine import PREFIX_CACHE_TOKENS
 
 DEFAULT_BLOCK = 16
 
