@@ -16,11 +16,11 @@ from .commands import (
     score,
     score_bench,
     selftest,
+    serve,
     spec_bench,
 )
 from .data.prompts import PromptFileError
 from .errors import KernelBuildError
-from .server import cli as serve
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
 COMMANDS = (generate, check, demo, serve, export, bench, flips, calibrate, score, score_bench, spec_bench, linear_bench,

@@ -1,4 +1,4 @@
-"""`margingate serve`: the OpenAI-compatible server (registered in margingate/cli.py)."""
+"""`margingate serve`: the OpenAI-compatible server (margingate/server; registered in margingate/cli.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ import sys
 from .. import cli_args
 from ..distributed.options import add_ray_args
 from ..options import deterministic_policies
-from .config import ServerConfig
+from ..server.config import ServerConfig
 
 LOOPBACK_NAMES = {"localhost"}
 
@@ -59,8 +59,8 @@ def add_parser(sub) -> None:
 def cmd_serve(args) -> None:
     if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
         raise ValueError("the server needs its extra: pip install 'margingate[server]'")
-    from .app import create_app
-    from .background import DrainingServer, uvicorn_config
+    from ..server.app import create_app
+    from ..server.background import DrainingServer, uvicorn_config
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
