@@ -1,0 +1,109 @@
+"""docs/architecture.md's table is the rule: every package under margingate/ has a row, each of its imports
+(module level or inside a function) points at a package its row allows, and the packages import one
+another without a circle. Read statically (ast), so nothing is imported to check it."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "margingate"
+ROW = re.compile(r"^\| `(margingate[\w.]*)` \| (\d+) \| (.*) \|$")
+
+
+def table() -> dict[str, set[str]]:
+    """{package: the packages it may import} from docs/architecture.md."""
+    rules = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        m = ROW.match(line.strip())
+        if m:
+            rules[m[1]] = set(re.findall(r"`(margingate[\w.]*)`", m[3]))
+    return rules
+
+
+def package_of(module: str) -> str:
+    """margingate.engine.runner -> margingate.engine; margingate.llm -> margingate.llm."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The margingate modules `path` imports, relative imports resolved."""
+    name = module_name(path)
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "margingate"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "margingate":
+                found.add(target)
+                found |= {f"{target}.{a.name}" for a in node.names if target == "margingate"}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    """{package: the other packages its modules import}."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = package_of(module_name(path))
+        edges.setdefault(source, set())
+        edges[source] |= {package_of(t) for t in imports(path)} - {source}
+    return edges
+
+
+def violations(rules: dict[str, set[str]], edges: dict[str, set[str]]) -> list[str]:
+    missing = [f"{p} has no row in docs/architecture.md" for p in sorted(edges) if p not in rules]
+    wrong = [f"{p} imports {t}, which its row does not allow" for p in sorted(edges) if p in rules
+             for t in sorted(edges[p]) if t not in rules[p] and t != "margingate"]
+    stale = [f"docs/architecture.md lists {p}, which does not exist" for p in sorted(rules) if p not in edges]
+    return missing + wrong + stale
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every package on an import circle, as a path back to itself (depth first)."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_every_package_follows_its_row():
+    assert violations(table(), graph()) == []
+
+
+def test_no_import_circle_between_packages():
+    edges = {p: {t for t in ts if t != "margingate"} for p, ts in graph().items()}
+    assert cycles(edges) == []
+
+
+def test_a_wrong_way_import_is_caught():
+    """The check itself: a planted import of the server from the kernels, and a package with no row."""
+    edges = graph()
+    planted = {**edges, "margingate.kernels": edges["margingate.kernels"] | {"margingate.server"},
+               "margingate.newcomer": set()}
+    found = violations(table(), planted)
+    assert "margingate.kernels imports margingate.server, which its row does not allow" in found
+    assert "margingate.newcomer has no row in docs/architecture.md" in found
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
