@@ -18,7 +18,7 @@ from .policy import Policy, VerifyJob
 from .prefix_cache import PrefixCache
 from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
-from .sampling import Choice, choose
+from .sampling import RowChoices, choose
 from .scheduler import Scheduler
 from .sequence import Request, Result, Sequence
 from .speculative import accept, off_reason, propose
@@ -254,7 +254,7 @@ class Engine:
                 self._record(seq, step)
             seq.appended()
 
-    def _record(self, seq: Sequence, choice: Choice) -> None:
+    def _record(self, seq: Sequence, choice: RowChoices) -> None:
         """Logprobs, from `choice`'s raw rows, of the output tokens they chose that the output still holds."""
         k, chosen = seq.request.sampling.logprobs, choice.positions
         lo, hi = max(chosen.start, seq.prompt_len), min(chosen.stop, seq.num_tokens)
@@ -265,7 +265,7 @@ class Engine:
         at = lo - seq.prompt_len
         seq.logprobs[at:at + len(entries)] = entries
 
-    def _verify(self, jobs: list[VerifyJob]) -> dict[int, Choice]:
+    def _verify(self, jobs: list[VerifyJob]) -> dict[int, RowChoices]:
         """Each job's rows, keyed by id(job): one verifier pass (or one per precision / group)."""
         if not jobs:
             return {}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..options.policy import PolicySpec, Promise
-from .sampling import Choice
+from .sampling import RowChoices
 from .sequence import Sequence
 
 
@@ -29,7 +29,7 @@ class VerifyJob:
     """Recompute positions [start, end] of `seq` with the verifier's kernels, in `precision`.
 
     The pass feeds the tokens at those positions, writes their K/V (canonical columns) and returns
-    one row per position (`Choice`: row i chooses the token at start + i + 1). `pad_to` fixes the
+    one row per position (`RowChoices`: row i chooses the token at start + i + 1). `pad_to` fixes the
     job's shape: padded to that many rows and grouped with up to `group` jobs, the group padded with
     dummy jobs.
     """
@@ -91,17 +91,17 @@ class Policy:
     def new_state(self, seq: Sequence) -> PolicyState:
         return PolicyState()
 
-    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
+    def propose(self, seq: Sequence, step: RowChoices) -> VerifyJob | None:
         """Look at this step's row (`step.scores`: its fp32 logits with the request's sampling applied;
         `step.tokens`: its choice). Return a job to verify, or None."""
         return None
 
-    def join(self, seq: Sequence, step: Choice) -> VerifyJob | None:
+    def join(self, seq: Sequence, step: RowChoices) -> VerifyJob | None:
         """A verifier pass runs this step anyway (another request asked for it): return a job
         to ride along, or None. Joining costs rows but no extra pass."""
         return None
 
-    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
+    def commit(self, seq: Sequence, step: RowChoices, verified: RowChoices | None) -> None:
         """Append this step's token; `verified` holds the job's rows if a job ran."""
         seq.output_ids.append(step.tokens[-1])
 
@@ -109,7 +109,7 @@ class Policy:
         """A stop condition was met: return a job to re-check before finishing, or None."""
         return None
 
-    def confirm_finish(self, seq: Sequence, verified: Choice) -> bool:
+    def confirm_finish(self, seq: Sequence, verified: RowChoices) -> bool:
         """After the finish job ran: True if the request really finishes."""
         return True
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class RowChoices:
     """What rows of one request choose. Row i was fed the token at position `first_pos` + i; its
     choice, `tokens[i]`, is the token at `first_pos` + i + 1 (`positions[i]`)."""
     first_pos: int
@@ -51,13 +51,13 @@ class Choice:
         """The positions of the chosen tokens."""
         return range(self.first_pos + 1, self.first_pos + 1 + len(self.tokens))
 
-    def row(self, i: int) -> Choice:
+    def row(self, i: int) -> RowChoices:
         """Row i alone."""
-        return Choice(self.first_pos + i, self.logits[i:i + 1], self.scores[i:i + 1], self.tokens[i:i + 1],
+        return RowChoices(self.first_pos + i, self.logits[i:i + 1], self.scores[i:i + 1], self.tokens[i:i + 1],
                       None if self.processed is None else self.processed[i:i + 1])
 
 
-def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] | tuple[int, ...] = ()) -> Choice:
+def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] | tuple[int, ...] = ()) -> RowChoices:
     """The one place a row's token is chosen: `rows` (fp32 logits, [n, vocab]) were fed the tokens at
     positions first_pos, first_pos + 1, ... of `seq` (a decode step's first row: `seq.last_fed_pos`),
     followed by this step's `drafts` (speculation: not the sequence's tokens until accepted, yet row i's
@@ -67,7 +67,7 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     scored = dist
     if seq.request.sampling.temperature > 0:
         scored = invariant.add_gumbel_(dist.clone(), seq.request.sampling.seed, first_pos + 1)
-    return Choice(first_pos, rows, scored, invariant.argmax_rows(scored), dist)
+    return RowChoices(first_pos, rows, scored, invariant.argmax_rows(scored), dist)
 
 
 def processed(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: list[int]) -> torch.Tensor:

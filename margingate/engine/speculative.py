@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .sampling import Choice, choose
+from .sampling import RowChoices, choose
 from .sequence import Sequence
 
 
@@ -48,7 +48,7 @@ def propose(seq: Sequence, k: int) -> int:
     return len(seq.drafts)
 
 
-def accept(seq: Sequence, rows: torch.Tensor) -> Choice:
+def accept(seq: Sequence, rows: torch.Tensor) -> RowChoices:
     """The step's rows for [last token, d1..dm] came back: commit the drafts while they are what the
     request's sampling chooses at their position, then the first choice that differs (or the one
     after the last draft). Returns what the rows chose (its tokens past the committed ones unused)."""

@@ -17,14 +17,14 @@ import torch
 
 from .policy import VerifyJob
 from .runner import Runner, Span
-from .sampling import Choice, choose
+from .sampling import RowChoices, choose
 
 
 class Verifier:
     def __init__(self, runner: Runner):
         self.runner = runner
 
-    def run(self, jobs: list[VerifyJob]) -> dict[int, Choice]:
+    def run(self, jobs: list[VerifyJob]) -> dict[int, RowChoices]:
         """Every job's rows and what they choose, keyed by id(job)."""
         logits = self.recompute(jobs)
         return {id(j): choose(j.seq, rows, j.start) for j, rows in zip(jobs, logits)}

@@ -9,7 +9,7 @@ instead of "the margin is small".
 """
 from __future__ import annotations
 
-from ..engine.sampling import Choice
+from ..engine.sampling import RowChoices
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -25,10 +25,10 @@ class DVRPolicy(VerifyingPolicy):
     def settings(self) -> dict:
         return {"window": self.window, "group": self.group, "verifier_precision": self.spec.verifier_precision}
 
-    def gate(self, seq: Sequence, step: Choice) -> bool:
+    def gate(self, seq: Sequence, step: RowChoices) -> bool:
         return seq.next_pos - seq.state.canonical_len >= self.window
 
-    def propose(self, seq: Sequence, step: Choice):
+    def propose(self, seq: Sequence, step: RowChoices):
         job = super().propose(seq, step)
         if job is not None:
             job.group = self.group

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..engine.sampling import Choice
+from ..engine.sampling import RowChoices
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
@@ -43,7 +43,7 @@ class MarginPolicy(VerifyingPolicy):
     def settings(self) -> dict:
         return {"tau": self.tau if math.isfinite(self.tau) else "inf", **super().settings(), "defer": self.defer}
 
-    def gate(self, seq: Sequence, step: Choice) -> bool:
+    def gate(self, seq: Sequence, step: RowChoices) -> bool:
         """`step.scores` are what the row chooses from: logits / T plus Gumbel noise at temperature T > 0.
         Their top-two gap times T is in logit units, the units tau is calibrated in (at T = 1 / 2 the raw
         score gap would make the gate fire half / twice as often for the same risk)."""
@@ -51,7 +51,7 @@ class MarginPolicy(VerifyingPolicy):
         seq.state.min_margin = min(seq.state.min_margin, margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
 
-    def propose(self, seq: Sequence, step: Choice):
+    def propose(self, seq: Sequence, step: RowChoices):
         if not self.defer:
             return super().propose(seq, step)
         if self.injecting(seq):
@@ -64,7 +64,7 @@ class MarginPolicy(VerifyingPolicy):
             return self.job(seq)
         return None
 
-    def join(self, seq: Sequence, step: Choice):
+    def join(self, seq: Sequence, step: RowChoices):
         return self.job(seq) if self.defer and not self.injecting(seq) else None
 
 

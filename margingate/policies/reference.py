@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.policy import Policy, VerifyJob
-from ..engine.sampling import Choice
+from ..engine.sampling import RowChoices
 from ..engine.sequence import Sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the verifier's precisions (options.PRECISIONS)
@@ -24,12 +24,12 @@ class ReferencePolicy(Policy):
         self.exact_attention = self.precision == torch.bfloat16
         self.speculates = self.exact_attention  # in fp32 the verifier recomputes every step
 
-    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
+    def propose(self, seq: Sequence, step: RowChoices) -> VerifyJob | None:
         if self.exact_attention:
             return None
         return VerifyJob(seq, seq.last_fed_pos, seq.last_fed_pos, self.precision)
 
-    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
+    def commit(self, seq: Sequence, step: RowChoices, verified: RowChoices | None) -> None:
         seq.output_ids.append((step if verified is None else verified).tokens[-1])
 
     def settings(self) -> dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.policy import Policy, PolicyState, VerifyJob
-from ..engine.sampling import Choice
+from ..engine.sampling import RowChoices
 from ..engine.sequence import Sequence
 from ..models.kv_cache import Column
 from .reference import DTYPES
@@ -78,14 +78,14 @@ class VerifyingPolicy(Policy):
     def settings(self) -> dict:
         return {"repair": self.repair, "verifier_precision": self.spec.verifier_precision, "strict": self.strict}
 
-    def gate(self, seq: Sequence, step: Choice) -> bool:
+    def gate(self, seq: Sequence, step: RowChoices) -> bool:
         """Verify this step?"""
         raise NotImplementedError
 
     def injecting(self, seq: Sequence) -> bool:
         return self.inject_flip_at == len(seq.output_ids) and not seq.state.injected
 
-    def propose(self, seq: Sequence, step: Choice) -> VerifyJob | None:
+    def propose(self, seq: Sequence, step: RowChoices) -> VerifyJob | None:
         if self.injecting(seq):
             return None
         if not self.gate(seq, step):
@@ -102,7 +102,7 @@ class VerifyingPolicy(Policy):
             seq.state.pending = seq.cache.read(pos)  # the fast column, maybe restored
         return VerifyJob(seq, pos, pos, self.precision)
 
-    def commit(self, seq: Sequence, step: Choice, verified: Choice | None) -> None:
+    def commit(self, seq: Sequence, step: RowChoices, verified: RowChoices | None) -> None:
         state: VerifyState = seq.state
         fast_token = step.tokens[-1]
         if verified is None:
@@ -152,7 +152,7 @@ class VerifyingPolicy(Policy):
             return None
         return VerifyJob(seq, seq.state.canonical_len, last_written, self.precision, self.pad_to)
 
-    def confirm_finish(self, seq: Sequence, verified: Choice) -> bool:
+    def confirm_finish(self, seq: Sequence, verified: RowChoices) -> bool:
         seq.state.replayed_tokens += len(verified.tokens)
         if self._check_history(seq, list(zip(verified.positions, verified.tokens))):
             return False
