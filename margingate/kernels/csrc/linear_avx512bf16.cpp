@@ -200,9 +200,9 @@ void dp_slice(const LinearTask& t, int64_t p, int64_t b0, int64_t b1, uint16_t* 
   }
 }
 
-// 16 columns' d * s (s null: d) in fp32, as `times`, for the lanes of the two halves of a pair row:
+// 16 columns' d * s (s null: d) in fp32, as `column_scales`, for the lanes of the two halves of a pair row:
 // columns 0-7, then 8-15, each twice.
-inline void times16(const uint16_t* d, const int8_t* s, __m512 out[2]) {
+inline void column_scales_paired(const uint16_t* d, const int8_t* s, __m512 out[2]) {
   __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
   if (s) v = _mm512_mul_ps(v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
   const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -230,8 +230,8 @@ class QuantPanel {
     const int64_t at_d = (b >> d_shift_) * 16;
     for (int h = 0; h < groups_; ++h) {
       const int64_t at_s = (b * groups_ + h) * 16;
-      times16(d_[0] + at_d, s_at_[0] ? s_at_[0] + at_s : nullptr, s_[h]);
-      if constexpr (Offset) times16(d_[1] + at_d, s_at_[1] ? s_at_[1] + at_s : nullptr, o_[h]);
+      column_scales_paired(d_[0] + at_d, s_at_[0] ? s_at_[0] + at_s : nullptr, s_[h]);
+      if constexpr (Offset) column_scales_paired(d_[1] + at_d, s_at_[1] ? s_at_[1] + at_s : nullptr, o_[h]);
     }
     if (groups_ == 1) {
       s_[1][0] = s_[0][0], s_[1][1] = s_[0][1];

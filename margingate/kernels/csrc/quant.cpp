@@ -47,7 +47,7 @@ uint16_t bf16_rne(float v) { return c10::BFloat16(v).x; }
 
 // The scale (or offset) of 16 columns for 8 lanes of one pair row: lanes (l, even), (l, odd) for
 // columns [c, c + 4).
-inline __m256 dup4(const float* v, int64_t c) {
+inline __m256 four_columns_paired(const float* v, int64_t c) {
   const __m128 s = _mm_loadu_ps(v + c);
   return _mm256_set_m128(_mm_unpackhi_ps(s, s), _mm_unpacklo_ps(s, s));
 }
@@ -65,7 +65,8 @@ void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst
     alignas(32) float scale[16], offset[16];
     group_scales(q, panel, kp, g, scale, offset);
     __m256 s[4], o[4];
-    for (int j = 0; j < 4; ++j) s[j] = dup4(scale, 4 * j), o[j] = Offset ? dup4(offset, 4 * j) : s[j];
+    for (int j = 0; j < 4; ++j)
+      s[j] = four_columns_paired(scale, 4 * j), o[j] = Offset ? four_columns_paired(offset, 4 * j) : s[j];
     for (int64_t r = 0; r < rows; ++r, c += kRowBytes, dst += 2 * kPanel) {
       __m128i b[2];
       code_bytes<Bits>(c, hi, int((Bits - 4) * (r % kRun)), b);

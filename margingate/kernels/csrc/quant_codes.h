@@ -34,7 +34,7 @@ inline void by_format(const QuantPart& q, F f) {
 }
 
 // 16 lanes of d * s in fp32 (s null: d). VCVTPH2PS is exact for every fp16, subnormals included.
-inline void times(const uint16_t* d, const int8_t* s, float out[16]) {
+inline void column_scales(const uint16_t* d, const int8_t* s, float out[16]) {
   for (int h = 0; h < 2; ++h) {
     __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * h)));
     if (s) {
@@ -48,8 +48,8 @@ inline void times(const uint16_t* d, const int8_t* s, float out[16]) {
 // The scales (and offsets) of group g of a panel's 16 columns.
 inline void group_scales(const QuantPart& q, int64_t panel, int64_t kp, int64_t g, float scale[16], float offset[16]) {
   const int64_t at_d = (panel * (kp / q.block) + g * q.group / q.block) * 16, at_s = (panel * (kp / q.group) + g) * 16;
-  times(q.d + at_d, q.s ? q.s + at_s : nullptr, scale);
-  if (q.d_off) times(q.d_off + at_d, q.s_off ? q.s_off + at_s : nullptr, offset);
+  column_scales(q.d + at_d, q.s ? q.s + at_s : nullptr, scale);
+  if (q.d_off) column_scales(q.d_off + at_d, q.s_off ? q.s_off + at_s : nullptr, offset);
 }
 
 // Pair rows per byte of the high bits.
