@@ -91,7 +91,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    """`margingate serve` on a free loopback port, once /health answers; `stderr`: where its log goes (a
+    file for a long run: a pipe nobody reads fills and blocks the server)."""
     port = free_port()
     cmd = [sys.executable, "-m", "margingate", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
@@ -100,12 +102,13 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MARGINGATE_API_KEY", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            log = proc.stderr.read()[-2000:] if proc.stderr else ""
+            raise SystemExit(f"the server exited ({proc.returncode}): {log}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url

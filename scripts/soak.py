@@ -1,0 +1,400 @@
+"""Soak test of `margingate serve` (issue 47): N clients for D minutes of mixed traffic, interleaved at random.
+
+    PYTHONPATH=. .venv/bin/python scripts/soak.py --minutes 3 --clients 8 --out results/soak
+
+Starts `margingate serve` on loopback (or uses `--url`; give `--pid` for its memory), then:
+
+1. alone-runs: each distinct request of the pool (5 shapes x `--pool` prompts) sent once, not streamed,
+   under `reference`, with no other traffic. The contract says every deterministic policy gives the
+   request's tokens and logprobs alone, which are reference's alone, so one alone-run per request content
+   serves every policy (a stronger check than comparing a policy with itself);
+2. the soak: each client draws its next request from its own generator, seeded by `--seed` and its index:
+   a completion, a chat, a chat with a `response_format` json_schema, a chat with tools (a named function,
+   or `auto`), under reference, batch-invariant, margin, dvr or fast (speculating at times under the first
+   two), streamed or not; a bad request (malformed JSON, an unknown policy, negative max_tokens: each must be
+   a 4xx); or a stream cancelled after a few tokens;
+3. each answer whose report says `guaranteed` is compared with its alone-run: token ids, text, tool calls,
+   logprobs and finish reason, bitwise.
+
+It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal and the server's VmRSS
+(/proc/PID/status) at start, after the alone-runs and at the end (OUT/soak.json, OUT/soak.md). Exit 1 on a
+5xx, a mismatch, an unexpected status, a lost answer, or a server not idle once the clients stop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import REPO, cpu_name, start_server  # noqa: E402  (the load test's server start)
+
+POLICIES = {"reference": {"determinism": {"policy": "reference"}},
+            "batch-invariant": {"determinism": {"policy": "batch-invariant"}},
+            "margin": {"determinism": {"policy": "margin"}}, "dvr": {"determinism": {"policy": "dvr"}},
+            "fast": {}}  # fast promises nothing: its answers are counted, not checked
+SPECULATING = ("reference", "batch-invariant")  # the deterministic policies that speculate
+SHAPES = ("completion", "chat", "json_schema", "tool_named", "tool_auto")
+TOPICS = ["rivers", "the moon", "bread", "volcanoes", "owls", "glass", "maps", "bees"]
+CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth", "Tunis"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+             "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+# bad requests: each must be refused with a 4xx, never a 5xx
+BAD = {"malformed_json": b'{"prompt": "x", "max_tokens": ',
+       "unknown_policy": {"prompt": "x", "max_tokens": 4, "determinism": {"policy": "no-such-policy"}},
+       "negative_max_tokens": {"prompt": "x", "max_tokens": -3}}
+ACTIONS, WEIGHTS = ("answer", "bad", "cancel"), (0.8, 0.1, 0.1)
+
+
+def request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
+    """Request k of `shape`, greedy, with logprobs, without a policy or `stream`: (path, body)."""
+    if shape == "completion":
+        return "/v1/completions", {"prompt": f"Three short facts about {TOPICS[k]}:", "max_tokens": max_tokens,
+                                   "logprobs": 2}
+    body = {"max_tokens": max_tokens, "logprobs": True, "top_logprobs": 2}
+    if shape == "chat":
+        ask = f"Tell me one fact about {TOPICS[k]}."
+    elif shape == "json_schema":
+        ask = f"Give me a person who studies {TOPICS[k]}, as JSON with a name and an age."
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    else:
+        ask = f"What is the weather in {CITIES[k]}?"
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        body.update(tools=TOOLS, tool_choice=named if shape == "tool_named" else "auto")
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": ask}]}
+
+
+@dataclass
+class Answer:
+    """One response, streamed or not, in one shape: what must equal the alone-run (`key`) and the rest."""
+    status: int | None = None
+    ids: list = field(default_factory=list)
+    text: str = ""
+    calls: dict = field(default_factory=dict)  # tool call index -> [name, arguments]
+    logprobs: list = field(default_factory=list)
+    finish: str | None = None
+    report: dict | None = None
+    done: bool = False
+    error: str | None = None
+
+    def add(self, choice: dict, streamed: bool) -> None:
+        """A whole answer's choice, or a stream chunk's."""
+        self.ids += choice.get("token_ids") or []
+        part = choice.get("delta" if streamed else "message") or {}
+        self.text += choice.get("text") or part.get("content") or ""
+        for i, call in enumerate(part.get("tool_calls") or []):
+            entry = self.calls.setdefault(str(call.get("index", i)), ["", ""])
+            entry[0] += call["function"].get("name") or ""
+            entry[1] += call["function"].get("arguments") or ""
+        lp = choice.get("logprobs") or {}
+        self.logprobs += lp.get("token_logprobs") or [t["logprob"] for t in lp.get("content") or []]
+        self.finish = choice.get("finish_reason") or self.finish
+
+    def key(self) -> tuple:
+        return self.ids, self.text, self.calls, self.logprobs, self.finish
+
+    def differs(self, other: Answer) -> str:
+        """The parts of `key` where the two answers differ."""
+        names = ("ids", "text", "tool calls", "logprobs", "finish reason")
+        return ", ".join(n for n, a, b in zip(names, self.key(), other.key()) if a != b)
+
+
+async def post(client: httpx.AsyncClient, path: str, body: dict | bytes) -> Answer:
+    a = Answer()
+    try:
+        r = await (client.post(path, content=body, headers={"content-type": "application/json"})
+                   if isinstance(body, bytes) else client.post(path, json=body))
+    except httpx.HTTPError as exc:
+        a.error = f"{type(exc).__name__}: {exc}"
+        return a
+    a.status = r.status_code
+    if r.status_code == 200:
+        data = r.json()
+        a.add(data["choices"][0], streamed=False)
+        a.report, a.done = data.get("determinism"), True
+    return a
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict, cancel_after: int | None = None) -> Answer:
+    """A streamed request; with `cancel_after`, the connection is closed once that many tokens came."""
+    a = Answer()
+    try:
+        async with client.stream("POST", path, json={**body, "stream": True}) as r:
+            a.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return a
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    a.done = True
+                    break
+                ev = json.loads(line[6:])
+                a.error = ev["error"].get("message") if "error" in ev else a.error
+                for c in ev.get("choices", []):
+                    a.add(c, streamed=True)
+                a.report = ev.get("determinism") or a.report
+                if cancel_after is not None and len(a.ids) >= cancel_after:
+                    return a  # leaving the block closes the connection: the server must free the slot
+    except httpx.HTTPError as exc:
+        a.error = f"{type(exc).__name__}: {exc}"
+    return a
+
+
+def rss_kb(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return None
+
+
+class Soak:
+    """The counts, the alone-runs and the three actions a client draws from."""
+
+    def __init__(self, client: httpx.AsyncClient, args):
+        self.client, self.args = client, args
+        self.counts: Counter = Counter()
+        self.statuses: Counter = Counter()
+        self.policies: Counter = Counter()
+        self.alone: dict[tuple[str, int], Answer] = {}
+        self.problems: list[str] = []
+
+    def problem(self, what: str) -> None:
+        self.counts["problems"] += 1
+        if len(self.problems) < 20:
+            self.problems.append(what)
+
+    def tally(self, a: Answer, what: str, refused: bool = False) -> None:
+        """Status counts; `refused`: a 4xx is the right answer (a bad request)."""
+        self.counts["requests"] += 1
+        self.statuses[str(a.status) if a.status is not None else "no response"] += 1
+        if a.status is not None and a.status >= 500:
+            self.counts["5xx"] += 1
+        if a.status is not None and 400 <= a.status < 500:
+            self.counts["4xx"] += 1
+        if a.status == 200:
+            self.counts["served"] += 1
+            self.counts["tokens"] += len(a.ids)
+        right = a.status is not None and (400 <= a.status < 500 if refused else a.status == 200)
+        if not right:
+            self.problem(f"{what}: status {a.status} {a.error or ''}")
+
+    async def alone_runs(self, pool: int) -> None:
+        """Every distinct request once, alone, under reference (no other traffic yet)."""
+        todo = [(shape, k) for shape in SHAPES for k in range(pool)]
+        for shape, k in tqdm(todo, desc="alone-runs", unit="req"):
+            path, body = request(shape, k, self.args.max_tokens)
+            a = await post(self.client, path, {**body, **POLICIES["reference"]})
+            if a.status != 200:
+                raise SystemExit(f"the alone-run of {shape} {k} failed: {a.status} {a.error}")
+            self.alone[shape, k] = a
+
+    async def answer(self, rng: random.Random) -> None:
+        shape, k, policy = rng.choice(SHAPES), rng.randrange(self.args.pool), rng.choice(list(POLICIES))
+        path, body = request(shape, k, self.args.max_tokens)
+        body = {**body, **POLICIES[policy]}
+        if policy in SPECULATING and shape in ("completion", "chat") and rng.random() < 0.25:
+            body["speculative"] = {"method": "ngram"}
+        streamed = rng.random() < 0.5
+        a = await (stream(self.client, path, body) if streamed else post(self.client, path, body))
+        what = f"{shape} {k} {policy}{' stream' if streamed else ''}"
+        self.tally(a, what)
+        self.policies[policy] += 1
+        if a.status != 200:
+            return
+        if not a.done or a.error:
+            self.problem(f"{what}: lost ({a.error})")
+        elif (a.report or {}).get("guaranteed") != (policy != "fast"):
+            self.problem(f"{what}: guaranteed is {(a.report or {}).get('guaranteed')}")
+        elif policy != "fast":
+            self.counts["checked"] += 1
+            differs = a.differs(self.alone[shape, k])
+            self.counts["equal"] += not differs
+            if differs:
+                self.problem(f"{what}: {differs} differ from its alone-run")
+
+    async def bad(self, rng: random.Random) -> None:
+        kind = rng.choice(list(BAD))
+        self.counts["bad_requests"] += 1
+        self.tally(await post(self.client, "/v1/completions", BAD[kind]), f"bad {kind}", refused=True)
+
+    async def cancel(self, rng: random.Random) -> None:
+        shape, k = rng.choice(SHAPES[:2]), rng.randrange(self.args.pool)
+        path, body = request(shape, k, self.args.max_tokens)
+        a = await stream(self.client, path, {**body, **POLICIES[rng.choice(list(POLICIES))]},
+                         cancel_after=rng.randint(1, 4))
+        self.tally(a, f"cancelled {shape} {k}")
+        self.counts["cancelled"] += a.status == 200 and not a.done
+
+    async def client_loop(self, i: int, deadline: float) -> None:
+        rng = random.Random(f"{self.args.seed}:{i}")
+        while time.monotonic() < deadline:
+            action = rng.choices(ACTIONS, WEIGHTS)[0]
+            try:
+                await getattr(self, action)(rng)
+            except Exception as exc:  # a broken answer is a finding, not the end of the soak
+                self.problem(f"{action}: {type(exc).__name__}: {exc}")
+
+
+async def progress(soak: Soak, seconds: float, deadline: float) -> None:
+    with tqdm(total=round(seconds), desc="soak", unit="s") as bar:
+        while True:
+            left = deadline - time.monotonic()
+            bar.n = min(bar.total, round(seconds - max(0.0, left)))
+            c = soak.counts
+            bar.set_postfix(served=c["served"], s4xx=c["4xx"], s5xx=c["5xx"], checked=c["checked"],
+                            equal=c["equal"], problems=c["problems"], refresh=False)
+            bar.refresh()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(1.0, left))
+
+
+async def idle_health(client: httpx.AsyncClient, wait_s: float = 120.0) -> dict:
+    """/health once nothing is in flight (or after `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        health = (await client.get("/health")).json()
+        if health["in_flight"] == 0 or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.5)
+
+
+async def run(url: str, pid: int | None, args) -> dict:
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+        soak, rss = Soak(client, args), {"start": rss_kb(pid)}
+        await soak.alone_runs(args.pool)
+        rss["after_alone_runs"] = rss_kb(pid)
+        seconds = args.minutes * 60
+        t0 = time.monotonic()
+        deadline = t0 + seconds
+        await asyncio.gather(progress(soak, seconds, deadline),
+                             *(soak.client_loop(i, deadline) for i in range(args.clients)))
+        wall = time.monotonic() - t0  # the clients finish the requests in flight at the deadline
+        health = await idle_health(client)
+        rss["end"] = rss_kb(pid)
+    return summary(soak, rss, health, wall, args)
+
+
+def summary(soak: Soak, rss: dict, health: dict, wall: float, args) -> dict:
+    c = soak.counts
+    idle = health["in_flight"] == 0 and (args.url is not None or health["kv_slots_free"] == args.max_batch_size)
+    growth = (round(100 * (rss["end"] / rss["after_alone_runs"] - 1), 2)
+              if rss["end"] and rss["after_alone_runs"] else None)
+    return {"seconds": round(wall, 1), "requests": c["requests"], "served": c["served"],
+            "tokens_served": c["tokens"], "status_4xx": c["4xx"], "status_5xx": c["5xx"],
+            "statuses": dict(sorted(soak.statuses.items())), "bad_requests": c["bad_requests"],
+            "cancelled_streams": c["cancelled"], "answers_by_policy": dict(sorted(soak.policies.items())),
+            "alone_runs": len(soak.alone),
+            "alone_mode": "each distinct request once under reference, not streamed, before any other traffic; "
+                          "every guaranteed answer (any deterministic policy, streamed or not) compared with it",
+            "deterministic_checked": c["checked"], "deterministic_equal": c["equal"],
+            "problems": c["problems"], "problem_examples": soak.problems,
+            "rss_kb": rss, "rss_growth_pct_after_alone_runs": growth,
+            "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_slots_free")},
+            "ok": c["5xx"] == 0 and c["problems"] == 0 and c["checked"] == c["equal"] and idle}
+
+
+def table(report: dict) -> str:
+    rss = report["rss_kb"]
+    rows = [("clients x minutes", f"{report['config']['clients']} x {report['config']['minutes']}"),
+            ("seconds", report["seconds"]), ("requests sent", report["requests"]),
+            ("served (200)", report["served"]), ("tokens served", report["tokens_served"]),
+            ("4xx", f"{report['status_4xx']} (bad requests sent: {report['bad_requests']})"),
+            ("5xx", report["status_5xx"]), ("cancelled streams", report["cancelled_streams"]),
+            ("deterministic checked / equal to alone",
+             f"{report['deterministic_checked']} / {report['deterministic_equal']}"),
+            ("problems", report["problems"]),
+            ("VmRSS start / after alone-runs / end (MiB)",
+             " / ".join("-" if v is None else f"{v / 1024:.1f}" for v in rss.values())),
+            ("VmRSS growth after alone-runs", f"{report['rss_growth_pct_after_alone_runs']} %"),
+            ("server idle at end", report["health_at_end"]), ("ok", report["ok"])]
+    lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    return "\n".join([f"`{report['command']}`", "", *lines, "",
+                      f"statuses: {report['statuses']}; answers by policy: {report['answers_by_policy']}",
+                      *(f"- {p}" for p in report["problem_examples"])]) + "\n"
+
+
+def stop_server(proc: subprocess.Popen) -> int | None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--minutes", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool", type=int, default=6, help=f"prompts per shape (at most {len(TOPICS)})")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any one request may take")
+    p.add_argument("--url", default=None, help="a running server instead of starting one")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for its VmRSS")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="server torch threads (default: all cores)")
+    p.add_argument("--out", default=str(REPO / "results" / "soak"), help="writes OUT/soak.json, OUT/soak.md")
+    args = p.parse_args(argv)
+    if not (1 <= args.pool <= len(TOPICS)) or args.clients < 1 or args.minutes <= 0:
+        p.error(f"--pool in [1, {len(TOPICS)}], --clients >= 1, --minutes > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    proc, url, pid = None, args.url, args.pid
+    if url is None:
+        with open(out / "server.log", "w") as log:
+            proc, url = start_server(args, stderr=log)
+        pid = proc.pid
+    try:
+        report = asyncio.run(run(url, pid, args))
+    finally:
+        exit_code = stop_server(proc) if proc is not None else None
+    report = {"command": " ".join(["PYTHONPATH=. .venv/bin/python scripts/soak.py",
+                                   shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
+              "config": {k: getattr(args, k) for k in ("clients", "minutes", "seed", "pool", "max_tokens",
+                                                       "max_batch_size", "max_queue", "max_model_len", "threads")},
+              "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine()},
+              "server_exit_code": exit_code, **report}
+    report["ok"] = report["ok"] and (proc is None or exit_code == 0)
+    (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "soak.md").write_text(table(report))
+    print(table(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
