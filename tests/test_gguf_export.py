@@ -314,11 +314,12 @@ def test_a_tokenizer_that_is_not_byte_level_bpe_is_refused(tmp_path):
         add_tokenizer(None, tmp_path, 1)
 
 
-@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral"])
-def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(kind, model_dir, tmp_path, monkeypatch):
+def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(model_dir, tmp_path, monkeypatch):
     """A mixture of experts written as a Q8_0 GGUF (experts stacked, as llama.cpp reads them) loads with
     its experts kept quantized, one GGUFMatrix per expert, and gives the tokens and logprobs of the folder
-    quantized at load, bitwise. Control: the bf16 folder's logprobs differ."""
+    quantized at load, bitwise. Control: the bf16 folder's logprobs differ. (Mixtral's stacked tensors
+    round-trip above; its quantized Q/K rows take the Llama path test_quantize.py covers.)"""
+    kind = "qwen3-moe"
     from margingate.llm import LLM
     from margingate.models import loader
     from margingate.models.gguf_export import write_gguf
@@ -332,7 +333,7 @@ def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(kind, model_d
     at_load, from_file, plain = (LLM(str(folder), quantize="q8_0", max_batch_size=4), LLM(str(out), max_batch_size=4),
                                  LLM(str(folder), max_batch_size=4))
     assert from_file.environment()["weights"]["experts"] == at_load.environment()["weights"]["experts"] == "q8_0"
-    prompts, params = ["The capital of France is", "1, 2, 3,", "Once upon a time"], SamplingParams(logprobs=2)
+    prompts, params = ["The capital of France is", "1, 2, 3,"], SamplingParams(logprobs=2)
 
     def run(m, batch):
         policy = m.policy("reference")
