@@ -171,7 +171,8 @@ def _copied_metadata(gguf, source: Path, out: Path, file_type: int):
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     heads = tuple(int(reader.fields[f"{arch}.attention.{k}"].contents()) for k in ("head_count", "head_count_kv"))
-    return writer, arch, [t.name for t in reader.tensors], heads  # the source's names and order; our values
+    # the source's names and order; our values (an embedded file has no experts)
+    return writer, arch, [t.name for t in reader.tensors], (*heads, 0)
 
 
 def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_type: int):
@@ -209,7 +210,8 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_typ
             raise ValueError(f"{folder}: {name} has no place in llama.cpp's {arch} architecture")
         names.append(gguf_name(name, arch))
     order = list(ARCHS[arch].layers)
-    return writer, arch, sorted(dict.fromkeys(names), key=lambda n: _order(n, order)), (cfg.num_heads, cfg.num_kv_heads)
+    shape = (cfg.num_heads, cfg.num_kv_heads, cfg.num_experts)
+    return writer, arch, sorted(dict.fromkeys(names), key=lambda n: _order(n, order)), shape
 
 
 def _llama_cpp_arch(cfg, folder: Path) -> str:
@@ -243,13 +245,13 @@ def _order(name: str, layer_order: list[str]) -> tuple:
 
 def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[str], tensors: _Tensors,
                    quantize: str | None) -> None:
-    """Tensor infos first (the header needs every shape), then each tensor read, converted and written
-    (a mixture's experts stacked: one [experts, rows, k] tensor per matrix, as llama.cpp reads them)."""
+    """Tensor infos first (the header needs every shape), then each tensor read, converted and written;
+    `arch_heads`: (arch, (heads, KV heads, experts)). A mixture's experts are stacked: one [experts, rows, k]
+    tensor per matrix, as llama.cpp reads them."""
     from tqdm import tqdm
 
-    arch, (n_heads, n_kv) = arch_heads
+    arch, (n_heads, n_kv, experts) = arch_heads
     heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch].permuted else {}  # llama: q/k rows permuted
-    experts = load_config(folder).num_experts if source_gguf(folder) is None else 0
     plan = []
     for name in names:
         hfs = expert_names(hf_name(name, arch), experts)

@@ -7,6 +7,7 @@ and `expert_names` spells it out. Mixtral's files are GGUF architecture `llama` 
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -100,13 +101,18 @@ def expert_names(name: str, experts: int) -> list[str]:
 def gguf_name(name: str, arch: str) -> str | None:
     """The GGUF name of Hugging Face tensor `name` (an expert's: its stacked tensor's); None: no place."""
     base, kind = name.rsplit(".", 1)
-    model = {v: k for k, v in GGUF_MODEL_NAMES.items()}
+    model, layer = _inverse(arch)
     if base in model:
         return f"{model[base]}.{kind}"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-    layer = {v: k for k, v in ARCHS[arch].layers.items()}
     module = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", m[2]) if m else None
     return f"blk.{m[1]}.{layer[module]}.{kind}" if m and module in layer else None
+
+
+@functools.cache
+def _inverse(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Hugging Face -> GGUF names of the model's tensors and of a layer's, for `arch` (built once)."""
+    return {v: k for k, v in GGUF_MODEL_NAMES.items()}, {v: k for k, v in ARCHS[arch].layers.items()}
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
