@@ -129,6 +129,16 @@ def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return q, scale, sum16
 
 
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                experts: list[tuple[PackedWeight | QuantWeight, PackedWeight | QuantWeight]]) -> torch.Tensor:
+    """A mixture-of-experts block's experts for rows x [N, hidden] in one call (csrc/moe.cpp), the bits of
+    models/moe.py's loop: `chosen` [N, k] expert ids, `weights` [N, k] in x's dtype, `experts` (gate_up,
+    down) per expert. Under the int8 contract all chosen experts' panels run in one parallel region."""
+    gate_up, down = [g.data for g, _ in experts], [d.data for _, d in experts]
+    return ops().moe_experts(x.contiguous(), chosen.contiguous(), weights.contiguous(), gate_up, down,
+                             experts[0][0].n, experts[0][1].n)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               lengths: torch.Tensor, scale: float, aligns: torch.Tensor | None = None,
               window: int = 0) -> torch.Tensor:

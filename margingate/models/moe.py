@@ -39,6 +39,14 @@ def moe_mlp(x: torch.Tensor, router, experts: list, k: int, normalize: bool, ops
     `ops` the kernel set (its linear and SwiGLU MLP)."""
     chosen, weights = route(ops.linear(x, router), k, normalize)  # logits in x's dtype, as transformers has them
     chosen, weights = chosen.to(x.device), weights.to(x.device, x.dtype)
+    if ops.experts is not None:  # the invariant kernels: the loop below, in one compiled call
+        return ops.experts(x, chosen, weights, experts)
+    return expert_loop(x, chosen, weights, experts, ops)
+
+
+def expert_loop(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: list, ops) -> torch.Tensor:
+    """Step 5 of the module doc, one expert at a time: the Triton and library kernel sets' path, and the
+    statement of the order `ops.experts` keeps (tests compare the two bitwise)."""
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():  # ascending; an expert no row chose costs nothing
         rows, slot = (chosen == e).nonzero(as_tuple=True)  # a row chooses an expert once: rows are distinct

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_proofs", &int8_proofs, "every int8 linear path: [name, status, detail] (proves those the CPU runs)");
   m.def("set_int8_path", &set_int8_path, "use this int8 linear path (an error where it cannot run or failed its proof)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "x's rows quantized as the int8 contract does: q, scale, sum16");
+  m.def("moe_experts", &moe_experts, "a mixture-of-experts block's experts in models/moe.py's order, one call");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

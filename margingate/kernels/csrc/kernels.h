@@ -60,6 +60,23 @@ std::vector<std::string> int8_proof_report();  // the path in use: name, status,
 std::vector<std::vector<std::string>> int8_proofs();  // every int8 path: name, status, detail (proves those the CPU runs)
 void set_int8_path(const std::string& name);
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block);  // q, scale, sum16
+// The same linear in halves, for a caller that runs many matrices in one parallel region (moe.cpp): x's
+// rows quantized once for each activation block the matrices use, then panels [p0, p1) of every row.
+struct Int8Acts {  // x's rows for one block size; owns what an Int8Rows points at
+  at::Tensor q, scale, sum16;
+  Int8Rows rows(int64_t r0, int64_t m) const;
+};
+struct Int8Input {
+  std::vector<int64_t> blocks;
+  std::vector<Int8Acts> acts;  // one per block
+  Int8Input select(const at::Tensor& index) const;  // those rows, in that order
+};
+using Int8Kernel = void (*)(const Int8Rows&, const QuantPart&, int64_t, float*, int64_t);
+std::vector<int64_t> int8_blocks(const QuantMatrix& m);  // the activation blocks m's parts use
+Int8Input int8_input(const at::Tensor& x, const std::vector<int64_t>& blocks);
+Int8Kernel int8_kernel(bool reference);  // the proven path in use, or the scalar reference
+void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel,
+                 at::Tensor& out, int64_t p0, int64_t p1);  // under its own FTZ | DAZ
 // linear_proof.cpp: "" when run gives the int8 scalar reference's bits on the fixed cases, else the first difference
 std::string prove_int8(const std::string& path,
                        const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run);
@@ -67,6 +84,12 @@ std::string prove_int8(const std::string& path,
 std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n);
 void linear_epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
                      int64_t rows, int64_t c0, int64_t c1);
+
+// moe.cpp: a mixture-of-experts block's experts (chosen [N, k] int64, weights [N, k] in x's dtype) in
+// models/moe.py's order; gate_up and down: every expert's matrix, packed or quantized
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
+                       const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t n_gate_up,
+                       int64_t n_down);
 
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

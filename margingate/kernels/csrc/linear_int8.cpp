@@ -61,19 +61,10 @@ void quantize_row(const X* src, int64_t k, int64_t kp, int64_t block, int8_t* q,
   }
 }
 
-struct Acts {  // owns what an Int8Rows points at
-  at::Tensor q, scale, sum16;
-  Int8Rows rows(int64_t r0, int64_t m) const {
-    const int64_t kp = q.size(1), block = kp / scale.size(1);
-    return {q.data_ptr<int8_t>() + r0 * kp, scale.data_ptr<float>() + r0 * (kp / block),
-            sum16.data_ptr<int32_t>() + r0 * (kp / 16), m, kp, block};
-  }
-};
-
-Acts quantize(const at::Tensor& x, int64_t kp, int64_t block) {
+Int8Acts quantize(const at::Tensor& x, int64_t kp, int64_t block) {
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(kp % block == 0 && block % 16 == 0, "int8 activations: blocks of ", block, " in ", kp);
-  Acts a{at::empty({m, kp}, at::kChar), at::empty({m, kp / block}, at::kFloat), at::empty({m, kp / 16}, at::kInt)};
+  Int8Acts a{at::empty({m, kp}, at::kChar), at::empty({m, kp / block}, at::kFloat), at::empty({m, kp / 16}, at::kInt)};
   at::parallel_for(0, m, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       int8_t* q = a.q.data_ptr<int8_t>() + i * kp;
@@ -86,35 +77,14 @@ Acts quantize(const at::Tensor& x, int64_t kp, int64_t block) {
   return a;
 }
 
-using Int8Kernel = void (*)(const Int8Rows&, const QuantPart&, int64_t, float*, int64_t);
-
 constexpr int64_t kInt8RowBlock = 64;  // rows whose q stay in L2 while a job's panels pass
 
 at::Tensor run_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel) {
-  std::vector<Acts> acts;  // one per block size the parts use (a fused matrix may mix two)
-  std::vector<int64_t> blocks;
-  for (const QuantPart& q : m.parts)
-    if (std::find(blocks.begin(), blocks.end(), q.block) == blocks.end())
-      blocks.push_back(q.block), acts.push_back(quantize(x, m.k, q.block));
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, m.n}, x.options());
-  const int64_t work = rows * m.k * m.panels * kPanel;
+  const Int8Input in = int8_input(x, int8_blocks(m));
+  at::Tensor out = at::empty({x.size(0), m.n}, x.options());
+  const int64_t work = x.size(0) * m.k * m.panels * kPanel;
   const int64_t grain = work < (int64_t(1) << 18) ? m.panels : std::max<int64_t>(1, m.panels / (8 * at::get_num_threads()));
-  at::parallel_for(0, m.panels, grain, [&](int64_t p0, int64_t p1) {
-    FlushDenormals ftz;
-    std::vector<float> acc;
-    const int64_t ldacc = (p1 - p0) * kPanel;
-    for (int64_t r0 = 0; r0 < rows; r0 += kInt8RowBlock) {
-      const int64_t rn = std::min(kInt8RowBlock, rows - r0);
-      acc.assign(rn * ldacc, 0.0f);
-      for (int64_t p = p0; p < p1; ++p) {
-        const auto [q, at] = m.locate(p);
-        const size_t which = std::find(blocks.begin(), blocks.end(), q->block) - blocks.begin();
-        kernel(acts[which].rows(r0, rn), *q, at, acc.data() + (p - p0) * kPanel, ldacc);
-      }
-      linear_epilogue(acc.data(), ldacc, bias, out, r0, rn, p0 * kPanel, std::min(p1 * kPanel, m.n));
-    }
-  });
+  at::parallel_for(0, m.panels, grain, [&](int64_t p0, int64_t p1) { int8_panels(in, m, bias, kernel, out, p0, p1); });
   return out;
 }
 
@@ -209,8 +179,54 @@ void linear_int8_scalar(const Int8Rows& x, const QuantPart& q, int64_t panel, fl
     }
 }
 
+Int8Rows Int8Acts::rows(int64_t r0, int64_t m) const {
+  const int64_t kp = q.size(1), block = kp / scale.size(1);
+  return {q.data_ptr<int8_t>() + r0 * kp, scale.data_ptr<float>() + r0 * (kp / block),
+          sum16.data_ptr<int32_t>() + r0 * (kp / 16), m, kp, block};
+}
+
+Int8Input Int8Input::select(const at::Tensor& index) const {
+  Int8Input out{blocks, {}};
+  for (const Int8Acts& a : acts)
+    out.acts.push_back({a.q.index_select(0, index), a.scale.index_select(0, index), a.sum16.index_select(0, index)});
+  return out;
+}
+
+std::vector<int64_t> int8_blocks(const QuantMatrix& m) {
+  std::vector<int64_t> blocks;
+  for (const QuantPart& q : m.parts)
+    if (std::find(blocks.begin(), blocks.end(), q.block) == blocks.end()) blocks.push_back(q.block);
+  return blocks;
+}
+
+Int8Input int8_input(const at::Tensor& x, const std::vector<int64_t>& blocks) {
+  Int8Input in{blocks, {}};
+  for (const int64_t block : blocks) in.acts.push_back(quantize(x, x.size(1), block));
+  return in;
+}
+
+Int8Kernel int8_kernel(bool reference) { return reference ? &linear_int8_scalar : chosen().kernel; }
+
+void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel,
+                 at::Tensor& out, int64_t p0, int64_t p1) {
+  FlushDenormals ftz;
+  static thread_local std::vector<float> acc;
+  const int64_t rows = out.size(0), ldacc = (p1 - p0) * kPanel;
+  for (int64_t r0 = 0; r0 < rows; r0 += kInt8RowBlock) {
+    const int64_t rn = std::min(kInt8RowBlock, rows - r0);
+    acc.assign(rn * ldacc, 0.0f);
+    for (int64_t p = p0; p < p1; ++p) {
+      const auto [q, at] = m.locate(p);
+      const size_t which = std::find(in.blocks.begin(), in.blocks.end(), q->block) - in.blocks.begin();
+      TORCH_CHECK(which < in.blocks.size(), "int8 linear: x was not quantized in blocks of ", q->block);
+      kernel(in.acts[which].rows(r0, rn), *q, at, acc.data() + (p - p0) * kPanel, ldacc);
+    }
+    linear_epilogue(acc.data(), ldacc, bias, out, r0, rn, p0 * kPanel, std::min(p1 * kPanel, m.n));
+  }
+}
+
 at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference) {
-  return run_int8(x, m, bias, reference ? &linear_int8_scalar : chosen().kernel);
+  return run_int8(x, m, bias, int8_kernel(reference));
 }
 
 std::vector<std::vector<std::string>> int8_proofs() {
@@ -246,7 +262,7 @@ std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quantize_rows_int8: x [M, K] bf16 or fp32");
   TORCH_CHECK(block > 0 && block % 16 == 0, "quantize_rows_int8: block a multiple of 16");
-  const Acts a = quantize(x, round_up(x.size(1), block), block);
+  const Int8Acts a = quantize(x, round_up(x.size(1), block), block);
   return {a.q, a.scale, a.sum16};
 }
 
