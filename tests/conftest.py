@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 from server_fixtures import client, http, server, server_idle_after  # noqa: F401  (the server modules' fixtures)
 
+from margingate.kernels import invariant as K
+
 
 @pytest.fixture(scope="session")
 def model_dir():
@@ -77,3 +79,16 @@ class References:
 @pytest.fixture(scope="session")
 def references(llm, prompts):
     return References(llm, prompts)
+
+
+@pytest.fixture(params=K.INT8_PATHS)
+def int8_path(request):
+    """Each int8 path in turn (MARGINGATE_FORCE_INT8's switch); a path this CPU lacks skips, naming it."""
+    status = {p["path"]: p for p in K.int8_proofs()}[request.param]
+    if status["status"] != "passed":
+        pytest.skip(f"{request.param} is {status['status']} here {status['detail']}: it runs on a CPU that has it "
+                    "(an Intel Xeon with AMX runs all three paths)")
+    before = K.int8_proof()["path"]
+    K.use_int8_path(request.param)
+    yield request.param
+    K.use_int8_path(before)

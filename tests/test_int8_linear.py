@@ -63,19 +63,6 @@ def numpy_linear(x: np.ndarray, c: QuantCodes) -> np.ndarray:
     return acc
 
 
-@pytest.fixture(params=K.INT8_PATHS)
-def int8_path(request):
-    """Each int8 path in turn (MARGINGATE_FORCE_INT8's switch); a path this CPU lacks skips, naming it."""
-    status = {p["path"]: p for p in K.int8_proofs()}[request.param]
-    if status["status"] != "passed":
-        pytest.skip(f"{request.param} is {status['status']} here {status['detail']}: it runs on a CPU that has it "
-                    "(an Intel Xeon with AMX runs all three paths)")
-    before = K.int8_proof()["path"]
-    K.use_int8_path(request.param)
-    yield request.param
-    K.use_int8_path(before)
-
-
 def bf16_rows(m: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2)).to(torch.bfloat16)

@@ -4,8 +4,6 @@ under the int8 contract, the grouped path; under "exact"; packed bf16), bf16 and
 1 thread and all cores, a row alone and in any batch; bad routes are named errors."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -16,9 +14,6 @@ from margingate.kernels.quant_pack import quant_weight
 from margingate.models import moe
 from margingate.models.gguf_quant import quant_codes
 from margingate.models.quantize import quantize_rows
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_int8_linear import int8_path  # noqa: E402,F401  (the fixture: each int8 path in turn)
 
 HIDDEN, INTER, EXPERTS, TOP = 256, 256, 6, 3  # three per row: their order of addition shows
 

@@ -111,9 +111,7 @@ def quant_weight(parts: list[QuantCodes], contract: str = "exact") -> QuantWeigh
     if contract not in CONTRACTS:
         raise ValueError(f"quantized contract must be one of {', '.join(CONTRACTS)}; got {contract!r}")
     n, k = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
-    arrays = [_panels(p) for p in parts]
-    if contract == "int8":
-        arrays = [[_quads(p.bits, a[0], a[1]), *_quads_high(p.bits, a[0], a[1]), *a[2:]] for p, a in zip(parts, arrays)]
+    arrays = [_int8_fields(p) if contract == "int8" else _panels(p) for p in parts]
     at = _up(8 * (4 + PART_WORDS * len(parts)))
     head = [MAGIC if contract == "exact" else MAGIC_INT8, n, k, len(parts)]
     for p, fields in zip(parts, arrays):
@@ -138,8 +136,7 @@ def _up(v: int) -> int:
 def _panels(p: QuantCodes) -> list[np.ndarray | None]:
     """Codes, high bits, d, s, d_off and s_off in panel order, the rows padded to whole panels with zeros."""
     n, k = p.codes.shape
-    pad = -n % PANEL
-    codes = np.pad(p.codes, ((0, pad), (0, 0)))
+    codes = np.pad(p.codes, ((0, -n % PANEL), (0, 0)))
     pairs = codes.reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3)  # [panels, k / 2, 16, 2]
     high = None
     if p.bits == 8:
@@ -150,44 +147,41 @@ def _panels(p: QuantCodes) -> list[np.ndarray | None]:
             width = p.bits - 4
             runs = (pairs >> 4).reshape(pairs.shape[0], -1, 8 // width, PANEL, 2)
             high = sum(runs[:, :, r] << (width * r) for r in range(8 // width))
+    fields = [low.astype(np.uint8) if p.bits != 8 else low, high]
+    return [None if a is None else np.ascontiguousarray(a) for a in fields] + _scales_by_panel(p)
+
+
+def _scales_by_panel(p: QuantCodes) -> list[np.ndarray | None]:
+    """d, s, d_off and s_off as [panels, k / block or k / group, 16], the rows padded with zeros."""
+    pad = -p.codes.shape[0] % PANEL
 
     def by_panel(a):
-        return None if a is None else np.pad(a, ((0, pad), (0, 0))).reshape(-1, PANEL, a.shape[1]).transpose(0, 2, 1)
-    fields = [low.astype(np.uint8) if p.bits != 8 else low, high, by_panel(p.d), by_panel(p.s),
-              by_panel(p.d_off), by_panel(p.s_off)]
-    return [None if a is None else np.ascontiguousarray(a) for a in fields]
+        return None if a is None else np.ascontiguousarray(
+            np.pad(a, ((0, pad), (0, 0))).reshape(-1, PANEL, a.shape[1]).transpose(0, 2, 1))
+    return [by_panel(p.d), by_panel(p.s), by_panel(p.d_off), by_panel(p.s_off)]
 
 
-def _codes_by_quad(bits: int, low: np.ndarray, high: np.ndarray | None) -> np.ndarray:
-    """The full codes of `_panels`' arrays as [panels, k / 4, 64] (int16), code i = 4 * column + k % 4."""
+def _int8_fields(p: QuantCodes) -> list[np.ndarray | None]:
+    """The int8 contract's codes and high bits (module docstring), then the scales as `_panels` has them."""
+    n, k = p.codes.shape
+    codes = np.pad(p.codes, ((0, -n % PANEL), (0, 0)))
+    by_quad = codes.reshape(-1, PANEL, k // 4, 4).transpose(0, 2, 1, 3).reshape(-1, k // 4, 4 * PANEL)
+    return [_quads(p.bits, by_quad), _quads_high(p.bits, by_quad), *_scales_by_panel(p)]
+
+
+def _quads(bits: int, c: np.ndarray) -> np.ndarray:
+    """The int8 contract's code bytes from the codes by quad [panels, k / 4, 64] (code i = 4 * column + k % 4):
+    nibbles of codes i and 32 + i, or signed bytes."""
     if bits == 8:
-        pairs = low.astype(np.int16)                                   # [panels, k / 2, 16, 2]
-    else:
-        pairs = np.stack([low & 15, low >> 4], axis=-1).astype(np.int16)
-        if high is not None:
-            width, panels = bits - 4, low.shape[0]
-            runs = high.reshape(panels, -1, 1, PANEL, 2)
-            shifts = (width * np.arange(8 // width)).reshape(1, 1, -1, 1, 1)
-            pairs |= (((runs >> shifts) & ((1 << width) - 1)).reshape(pairs.shape) << 4).astype(np.int16)
-    panels, half = pairs.shape[:2]
-    quads = pairs.reshape(panels, half // 2, 2, PANEL, 2).transpose(0, 1, 3, 2, 4)  # [panels, k/4, 16, 4]
-    return quads.reshape(panels, half // 2, 4 * PANEL)
-
-
-def _quads(bits: int, low: np.ndarray, high: np.ndarray | None) -> np.ndarray:
-    """The int8 contract's code bytes (module docstring): nibbles of codes i and 32 + i, or signed bytes."""
-    c = _codes_by_quad(bits, low, high)
-    if bits == 8:
-        return c.astype(np.int8)
+        return np.ascontiguousarray(c, dtype=np.int8)
     return ((c[..., :32] & 15) | ((c[..., 32:] & 15) << 4)).astype(np.uint8)
 
 
-def _quads_high(bits: int, low: np.ndarray, high: np.ndarray | None) -> list[np.ndarray | None]:
-    """The int8 contract's high bits (module docstring), as a one-item list (None below 5 bits)."""
+def _quads_high(bits: int, c: np.ndarray) -> np.ndarray | None:
+    """The int8 contract's high bits (module docstring) from the codes by quad; None below 5 bits."""
     if bits not in (5, 6):
-        return [None]
-    c = _codes_by_quad(bits, low, high) >> 4
+        return None
     width, lanes = bits - 4, 8 if bits == 5 else 16
-    fields = c.reshape(*c.shape[:2], 64 // lanes, lanes)          # field f of byte b: code f * lanes + b
-    shifts = (width * np.arange(64 // lanes)).reshape(1, 1, -1, 1)
-    return [(fields << shifts).sum(axis=2).astype(np.uint8)]
+    fields = (c >> 4).reshape(*c.shape[:2], 64 // lanes, lanes)  # field f of byte b: code f * lanes + b
+    shifts = (width * np.arange(64 // lanes, dtype=np.uint8)).reshape(1, 1, -1, 1)
+    return (fields << shifts).sum(axis=2, dtype=np.uint8)
