@@ -308,7 +308,7 @@ def test_decoder_stack_finds_its_weights_by_name():
     names, e = list(K.STACK_WEIGHTS), torch.empty(0, dtype=torch.bfloat16)
     for order, message in ((names[1:], "no layer weight named input_layernorm"), (names + ["qkv"], "qkv named twice")):
         with pytest.raises(RuntimeError, match=message):
-            K.ops().decoder_stack(e, [], order, e, e, e, e, e, e, e, e, e, 1, 1, 1, 1e-6, 1.0, [], False)
+            K.ops().decoder_stack(e, [], order, e, e, e, e, e, e, e, e, e, 1, 1, 1, 1e-6, 1.0, [], False, [])
 
 
 # --- norms and activation --------------------------------------------------------------------

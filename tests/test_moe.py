@@ -67,7 +67,7 @@ def test_a_rows_experts_and_output_do_not_depend_on_the_other_rows(tmp_path):
     x = (torch.randn(40, 64, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
 
     def block(rows):
-        return moe.moe_mlp(rows, L.router, L.experts, 2, True, layers.INVARIANT)
+        return moe.moe_mlp(rows, L, 2, True, layers.INVARIANT)
 
     together = block(x)
     for i in (0, 7, 39):

@@ -129,14 +129,31 @@ def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return q, scale, sum16
 
 
-def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                experts: list[tuple[PackedWeight | QuantWeight, PackedWeight | QuantWeight]]) -> torch.Tensor:
-    """A mixture-of-experts block's experts for rows x [N, hidden] in one call (csrc/moe.cpp), the bits of
-    models/moe.py's loop: `chosen` [N, k] expert ids, `weights` [N, k] in x's dtype, `experts` (gate_up,
-    down) per expert. Under the int8 contract all chosen experts' panels run in one parallel region."""
-    gate_up, down = [g.data for g, _ in experts], [d.data for _, d in experts]
-    return ops().moe_experts(x.contiguous(), chosen.contiguous(), weights.contiguous(), gate_up, down,
-                             experts[0][0].n, experts[0][1].n)
+def expert_set(experts: list[tuple[PackedWeight | QuantWeight, PackedWeight | QuantWeight]], top_k: int,
+               normalize: bool):
+    """A mixture-of-experts layer's (gate_up, down) per expert for `moe_block` and the compiled stack, parsed
+    once (csrc/moe.cpp); `[]` (top_k 0): a dense layer's empty set."""
+    n_gate_up, n_down = (experts[0][0].n, experts[0][1].n) if experts else (0, 0)
+    return ops().ExpertSet([g.data for g, _ in experts], [d.data for _, d in experts], n_gate_up, n_down, top_k,
+                           normalize)
+
+
+def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [N, E] -> (experts [N, k] int64, weights [N, k] fp32), models/moe.py's steps 2-4."""
+    experts, weights = ops().moe_route(logits.float().contiguous(), k, normalize)
+    return experts, weights
+
+
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+    """An MoE block's step 5 for rows x [N, hidden] (`chosen` [N, k] expert ids, `weights` [N, k] in x's dtype,
+    `experts` an `expert_set`): models/moe.py's loop over experts in one call. Under the int8 contract all
+    chosen experts' panels of a matrix run in one parallel region."""
+    return ops().moe_experts(x.contiguous(), chosen.contiguous(), weights.contiguous(), experts)
+
+
+def moe_block(x: torch.Tensor, router: PackedWeight | QuantWeight, experts) -> torch.Tensor:
+    """An MoE block for rows x [N, hidden]: the router's logits through the linear, the route, the experts."""
+    return ops().moe_block(x.contiguous(), router.data, experts)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -203,7 +220,7 @@ def philox4x32(counter: list[int], key: list[int]) -> list[int]:
 # name: the order is written only here.
 STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", "post_attention_layernorm",
                  "gate_up", "down_proj", "q_norm", "k_norm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm")
+                 "post_feedforward_layernorm", "router")
 
 
 def stack_weights(layers: list) -> list[torch.Tensor]:
@@ -218,16 +235,24 @@ def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,
                   windows: list[int] | None = None, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  gemma: bool = False) -> torch.Tensor:
+                  gemma: bool = False, experts: list | None = None) -> torch.Tensor:
     """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
     `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
     [layers, S, Hkv, L, D]. `weights`: `stack_weights` of the layers.
-    `windows`: each layer's sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer."""
+    `windows`: each layer's sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer.
+    `experts`: each layer's `expert_set` (an MoE layer's experts; a dense layer's empty), default all dense."""
     cos_local, sin_local = local_rope if local_rope is not None else (cos, sin)
     ops().decoder_stack(h, weights, STACK_WEIGHTS, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
                         sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads,
-                        intermediate, eps, scale, windows or [0] * k_cache.shape[0], gemma)
+                        intermediate, eps, scale, windows or [0] * k_cache.shape[0], gemma,
+                        experts or [dense_set()] * k_cache.shape[0])
     return h
+
+
+@functools.cache
+def dense_set():
+    """The empty `expert_set` of a dense layer."""
+    return expert_set([], 0, False)
 
 
 if __name__ == "__main__":  # `python -m margingate.kernels.invariant`: build now (make venv does)

@@ -31,7 +31,7 @@ class KernelSet:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     own_weights: bool  # True: the model's bf16 weights as loaded (packed for INVARIANT), for any activation dtype
-    experts: Callable[..., torch.Tensor] | None = None  # (x, chosen, weights, experts): an MoE's experts in one call
+    experts: Callable[..., torch.Tensor] | None = None  # (x, router, expert_set): an MoE block in one call
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""
@@ -45,7 +45,7 @@ class KernelSet:
 
 
 INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,
-                      own_weights=True, experts=invariant.moe_experts)
+                      own_weights=True, experts=invariant.moe_block)
 TRITON = KernelSet("triton", triton_kernels.linear, triton_kernels.rmsnorm, triton_kernels.silu_mul,
                    triton_kernels.gelu_tanh_mul, own_weights=True)
 LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, library.gelu_tanh_mul,

@@ -133,8 +133,7 @@ class LlamaModel:
     def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
         """The compiled stack covers our kernels with bf16 activations and cache: every forward
         but the library's and LayerCast's fp32 ones."""
-        return (self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
-                and not self.config.moe_layers)  # the compiled stack has no MoE block: layer by layer
+        return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
@@ -146,7 +145,7 @@ class LlamaModel:
             h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, positions, rows.aligns,
             cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_eps, cfg.attention_scale,
             [cfg.window(i) for i in range(cfg.num_layers)], (cos_local[:, 0], sin_local[:, 0]),
-            self.unit_offset_norms)
+            self.unit_offset_norms, [L.expert_set or invariant_kernels.dense_set() for L in W.layers])
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,
@@ -165,5 +164,5 @@ class LlamaModel:
         h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
         if L.experts:
-            return h + moe.moe_mlp(x, L.router, L.experts, cfg.experts_per_token, cfg.norm_topk, ops)
+            return h + moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
         return h + ops.mlp(x, L.gate_up, L.down_proj)

@@ -20,33 +20,23 @@ from ..kernels import invariant
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits [N, E] -> (experts [N, k], weights [N, k] fp32), steps 2-4 of the module doc."""
-    logits = logits.float().cpu().contiguous()
-    top = logits.max(dim=-1, keepdim=True).values
-    probs = (invariant.exp_shifted(logits, top[:, 0]).double() / invariant.sum_exp_rows(logits)[:, None]).float()
-    experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
-    weights = probs.gather(1, experts)
-    if normalize:
-        total = weights[:, 0].clone()
-        for j in range(1, k):
-            total = total + weights[:, j]
-        weights = weights / total[:, None]
-    return experts, weights
+    """Router logits [N, E] -> (experts [N, k], weights [N, k] fp32), steps 2-4 of the module doc (compiled:
+    csrc/moe.cpp, which the compiled block and stack call too)."""
+    return invariant.moe_route(logits.float().cpu(), k, normalize)
 
 
-def moe_mlp(x: torch.Tensor, router, experts: list, k: int, normalize: bool, ops) -> torch.Tensor:
-    """The block for rows x [N, hidden]: `router` the gate matrix, `experts` (gate_up, down) per expert,
-    `ops` the kernel set (its linear and SwiGLU MLP)."""
-    chosen, weights = route(ops.linear(x, router), k, normalize)  # logits in x's dtype, as transformers has them
-    chosen, weights = chosen.to(x.device), weights.to(x.device, x.dtype)
-    if ops.experts is not None:  # the invariant kernels: the loop below, in one compiled call
-        return ops.experts(x, chosen, weights, experts)
-    return expert_loop(x, chosen, weights, experts, ops)
+def moe_mlp(x: torch.Tensor, layer, k: int, normalize: bool, ops) -> torch.Tensor:
+    """The block for rows x [N, hidden]: `layer` holds the router, the (gate_up, down) pairs per expert and,
+    for our kernels, their `expert_set`; `ops` the kernel set (its linear and SwiGLU MLP)."""
+    if ops.experts is not None:  # the invariant kernels: the whole block in one compiled call
+        return ops.experts(x, layer.router, layer.expert_set)
+    chosen, weights = route(ops.linear(x, layer.router), k, normalize)  # logits in x's dtype, as transformers
+    return expert_loop(x, chosen.to(x.device), weights.to(x.device, x.dtype), layer.experts, ops)
 
 
 def expert_loop(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: list, ops) -> torch.Tensor:
     """Step 5 of the module doc, one expert at a time: the Triton and library kernel sets' path, and the
-    statement of the order `ops.experts` keeps (tests compare the two bitwise)."""
+    statement of the order the compiled block keeps (tests/test_moe_grouped.py compares the two bitwise)."""
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():  # ascending; an expert no row chose costs nothing
         rows, slot = (chosen == e).nonzero(as_tuple=True)  # a row chooses an expert once: rows are distinct

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ..kernels.invariant import expert_set
 from ..kernels.packing import PackedWeight, pack
 from ..kernels.quant_pack import QuantCodes, QuantWeight, panelable, quant_weight
 from .architectures import ARCHITECTURES, EXTRA_LAYER_MAP, IGNORED_SUFFIXES, LAYER_MAP, MODEL_MAP
@@ -63,12 +64,13 @@ class LayerWeights:
     post_feedforward_layernorm: torch.Tensor | None = None
     router: Matrix | None = None  # an MoE layer (models/moe.py): its gate, and (gate_up, down_proj) per expert
     experts: list[tuple[Matrix, Matrix]] | None = None
+    expert_set: object | None = None  # the experts parsed once for the invariant kernels (invariant.expert_set)
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
         """Plain tensors in `dtype` (packed matrices unpacked)."""
         experts = [(_cast(g, dtype), _cast(d, dtype)) for g, d in self.experts] if self.experts else None
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)
-                                if f.name != "experts"}, experts=experts)
+                                if f.name not in ("experts", "expert_set")}, experts=experts, expert_set=None)
 
     def moe_matrices(self) -> list[Matrix]:
         """An MoE layer's router and its experts' matrices (none for a dense layer)."""
@@ -230,9 +232,11 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     def experts(i: int) -> dict:
         if i not in config.moe_layers:
             return {}
-        return {"router": get(f"layers.{i}.router"), "experts": [
-            (get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
-            for e in range(config.num_experts)]}
+        pairs = [(get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
+                 for e in range(config.num_experts)]
+        own = packed and device.type == "cpu"  # our C++ kernels' weights: the experts parsed once for them
+        return {"router": get(f"layers.{i}.router"), "experts": pairs,
+                "expert_set": expert_set(pairs, config.experts_per_token, config.norm_topk) if own else None}
 
     embed = get("embed")
     layers = [LayerWeights(

@@ -19,7 +19,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_proofs", &int8_proofs, "every int8 linear path: [name, status, detail] (proves those the CPU runs)");
   m.def("set_int8_path", &set_int8_path, "use this int8 linear path (an error where it cannot run or failed its proof)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "x's rows quantized as the int8 contract does: q, scale, sum16");
+  py::class_<ExpertSet, std::shared_ptr<ExpertSet>>(m, "ExpertSet", "a mixture-of-experts layer's experts, parsed once")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, bool>())
+      .def("__len__", &ExpertSet::size)
+      .def_property_readonly("grouped", [](const ExpertSet& s) { return !s.gate_up_int8.empty(); });
+  m.def("moe_route", &moe_route, "a router's choice of experts and their fp32 weights, in models/moe.py's order");
   m.def("moe_experts", &moe_experts, "a mixture-of-experts block's experts in models/moe.py's order, one call");
+  m.def("moe_block", &moe_block, "a mixture-of-experts block: router, route, experts, one call");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own cached prefix");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

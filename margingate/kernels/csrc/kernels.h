@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,11 +86,19 @@ std::vector<float> bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n);
 void linear_epilogue(const float* acc, int64_t ldacc, const std::vector<float>& bias, at::Tensor& out, int64_t r0,
                      int64_t rows, int64_t c0, int64_t c1);
 
-// moe.cpp: a mixture-of-experts block's experts (chosen [N, k] int64, weights [N, k] in x's dtype) in
-// models/moe.py's order; gate_up and down: every expert's matrix, packed or quantized
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
-                       const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t n_gate_up,
-                       int64_t n_down);
+// moe.cpp: a mixture-of-experts layer (models/moe.py states the order): its experts, parsed once
+struct ExpertSet {
+  std::vector<at::Tensor> gate_up, down;  // per expert, packed or quantized; empty: a dense layer
+  int64_t n_gate_up, n_down, top_k;
+  bool normalize;
+  std::vector<QuantMatrix> gate_up_int8, down_int8;  // every matrix, where all are under the int8 contract
+  ExpertSet(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t n_gate_up, int64_t n_down,
+            int64_t top_k, bool normalize);
+  int64_t size() const { return int64_t(gate_up.size()); }
+};
+std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize);  // experts, fp32 weights
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const ExpertSet& set);
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set);  // route, then experts
 
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -116,7 +125,8 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
                    const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
-                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma);
+                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma,
+                   const std::vector<std::shared_ptr<ExpertSet>>& experts);
 std::vector<std::pair<std::string, double>> stack_profile(bool on);
 
 namespace {

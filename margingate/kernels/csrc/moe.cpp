@@ -1,13 +1,15 @@
-// A mixture-of-experts block's experts in one call, in the order models/moe.py states: each chosen expert
+// A mixture-of-experts block in one call, in the order models/moe.py states: the router's choice (softmax with
+// the contract's exp, a stable top-k, the kept weights normalized left to right), then each chosen expert
 // runs its rows (ascending) through the invariant linear (gate|up, SwiGLU, down), and the experts' outputs,
 // each times its row's weight and rounded, are added into the row by expert index, ascending, one rounding
 // each. The same bits as moe.py's loop over experts (a row's linear is a function of the row alone), without
-// a Python step per expert. Under the int8 contract the chosen experts' panels of each matrix run in one
+// a Python step per expert; the compiled decoder stack (stack.cpp) calls it for its MoE layers. Under the int8 contract the chosen experts' panels of each matrix run in one
 // parallel region, x quantized once: a decode step streams the experts' bytes without a fork and join per
 // matrix (as llama.cpp's mul_mat_id does).
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <cmath>
 
 #include "kernels.h"
 
@@ -45,14 +47,13 @@ Routes routes(const at::Tensor& chosen, int64_t num_experts) {
 }
 
 // Each chosen expert's rows through its MLP, a linear call at a time (packed bf16, or quantized under "exact").
-std::vector<at::Tensor> expert_by_expert(const at::Tensor& x, const Routes& rt, const std::vector<at::Tensor>& gate_up,
-                                         const std::vector<at::Tensor>& down, int64_t n_gate_up, int64_t n_down) {
+std::vector<at::Tensor> expert_by_expert(const at::Tensor& x, const Routes& rt, const ExpertSet& set) {
   const bool fp32 = x.scalar_type() == at::kFloat;
   std::vector<at::Tensor> z;
   for (size_t i = 0; i < rt.experts.size(); ++i) {
     const int64_t e = rt.experts[i];
-    const at::Tensor y = linear(x.index_select(0, rt.rows[i]), gate_up[e], n_gate_up, c10::nullopt, fp32);
-    z.push_back(linear(silu_mul(y), down[e], n_down, c10::nullopt, fp32));
+    const at::Tensor y = linear(x.index_select(0, rt.rows[i]), set.gate_up[e], set.n_gate_up, c10::nullopt, fp32);
+    z.push_back(linear(silu_mul(y), set.down[e], set.n_down, c10::nullopt, fp32));
   }
   return z;
 }
@@ -63,43 +64,45 @@ struct Job {
   int64_t p0, p1;
 };
 
-void run_matrices(const std::vector<QuantMatrix>& ms, const std::vector<Int8Input>& in, std::vector<at::Tensor>& out) {
+void run_matrices(const std::vector<const QuantMatrix*>& ms, const std::vector<Int8Input>& in,
+                  std::vector<at::Tensor>& out) {
   int64_t total = 0;
-  for (const QuantMatrix& m : ms) total += m.panels;
+  for (const QuantMatrix* m : ms) total += m->panels;
   const int64_t per = std::max<int64_t>(1, total / (8 * at::get_num_threads()));
   std::vector<Job> jobs;
   for (size_t i = 0; i < ms.size(); ++i)
-    for (int64_t p0 = 0; p0 < ms[i].panels; p0 += per) jobs.push_back({i, p0, std::min(ms[i].panels, p0 + per)});
+    for (int64_t p0 = 0; p0 < ms[i]->panels; p0 += per) jobs.push_back({i, p0, std::min(ms[i]->panels, p0 + per)});
   const Int8Kernel kernel = int8_kernel(false);
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) int8_panels(in[jobs[j].i], ms[jobs[j].i], {}, kernel, out[jobs[j].i], jobs[j].p0,
+    for (int64_t j = j0; j < j1; ++j) int8_panels(in[jobs[j].i], *ms[jobs[j].i], {}, kernel, out[jobs[j].i], jobs[j].p0,
                                                   jobs[j].p1);
   });
 }
 
-std::vector<int64_t> blocks_of(const std::vector<QuantMatrix>& ms) {
+std::vector<int64_t> blocks_of(const std::vector<const QuantMatrix*>& ms) {
   std::vector<int64_t> blocks;
-  for (const QuantMatrix& m : ms)
-    for (const int64_t b : int8_blocks(m))
+  for (const QuantMatrix* m : ms)
+    for (const int64_t b : int8_blocks(*m))
       if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
   return blocks;
 }
 
 // The same under the int8 contract, every chosen expert's panels of a matrix in one parallel region.
-std::vector<at::Tensor> grouped_int8(const at::Tensor& x, const Routes& rt, const std::vector<QuantMatrix>& gate_up,
-                                     const std::vector<QuantMatrix>& down) {
+std::vector<at::Tensor> grouped_int8(const at::Tensor& x, const Routes& rt, const ExpertSet& set) {
   const size_t chosen = rt.experts.size();
+  std::vector<const QuantMatrix*> gate_up, down;
+  for (const int64_t e : rt.experts) gate_up.push_back(&set.gate_up_int8[e]), down.push_back(&set.down_int8[e]);
   const Int8Input all = int8_input(x, blocks_of(gate_up));  // a row quantizes alike for every expert
   std::vector<Int8Input> in;
   std::vector<at::Tensor> y, z;
   for (size_t i = 0; i < chosen; ++i) {
     in.push_back(all.select(rt.rows[i]));
-    y.push_back(at::empty({rt.rows[i].size(0), gate_up[i].n}, x.options()));
-    z.push_back(at::empty({rt.rows[i].size(0), down[i].n}, x.options()));
+    y.push_back(at::empty({rt.rows[i].size(0), set.n_gate_up}, x.options()));
+    z.push_back(at::empty({rt.rows[i].size(0), set.n_down}, x.options()));
   }
   run_matrices(gate_up, in, y);
   at::parallel_for(0, static_cast<int64_t>(chosen), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(silu_mul(y[i]), int8_blocks(down[i]));
+    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(silu_mul(y[i]), int8_blocks(*down[i]));
   });
   run_matrices(down, in, z);
   return z;
@@ -135,24 +138,66 @@ void combine(const Routes& rt, const std::vector<at::Tensor>& z, const at::Tenso
   });
 }
 
-// The quantized matrices of the chosen experts, if every one is under the int8 contract; else none.
-std::vector<QuantMatrix> int8_matrices(const Routes& rt, const std::vector<at::Tensor>& ws, int64_t n, int64_t k) {
+// Every matrix of the set parsed, if all are quantized under the int8 contract; else none.
+std::vector<QuantMatrix> int8_matrices(const std::vector<at::Tensor>& ws, int64_t n, int64_t k) {
   std::vector<QuantMatrix> ms;
-  for (const int64_t e : rt.experts) {
+  for (size_t e = 0; e < ws.size(); ++e) {
     if (!is_quantized(ws[e])) return {};
     ms.push_back(quant_matrix(ws[e]));
     if (!ms.back().int8) return {};
-    TORCH_CHECK(ms.back().n == n && ms.back().k == k, "moe_experts: expert ", e, "'s matrix is [", ms.back().n, ", ",
+    TORCH_CHECK(ms.back().n == n && ms.back().k == k, "ExpertSet: expert ", e, "'s matrix is [", ms.back().n, ", ",
                 ms.back().k, "], not [", n, ", ", k, "]");
   }
   return ms;
 }
 
+// One row's route (moe.py, steps 2-4): p[j] = fp32(exp(l[j] - max) / sum), a stable top-k by p descending
+// (ties to the lower expert, a NaN first as torch.sort puts it), the kept weights divided by their sum
+// added left to right.
+void route_row(const float* e, double sum, int64_t n, int64_t k, bool normalize, int64_t* experts, float* weights) {
+  std::vector<float> p(n);
+  std::vector<int64_t> order(n);
+  for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(double(e[j]) / sum), order[j] = j;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::isnan(p[a]) ? !std::isnan(p[b]) : !std::isnan(p[b]) && p[a] > p[b];
+  });
+  float total = p[order[0]];
+  for (int64_t j = 1; j < k; ++j) total = total + p[order[j]];
+  for (int64_t j = 0; j < k; ++j) experts[j] = order[j], weights[j] = normalize ? p[order[j]] / total : p[order[j]];
+}
+
 }  // namespace
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
-                       const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t n_gate_up,
-                       int64_t n_down) {
+ExpertSet::ExpertSet(std::vector<at::Tensor> gate_up_, std::vector<at::Tensor> down_, int64_t n_gate_up_,
+                     int64_t n_down_, int64_t top_k_, bool normalize_)
+    : gate_up(std::move(gate_up_)), down(std::move(down_)), n_gate_up(n_gate_up_), n_down(n_down_), top_k(top_k_),
+      normalize(normalize_) {
+  TORCH_CHECK(gate_up.size() == down.size(), "ExpertSet: one gate|up and one down per expert");
+  TORCH_CHECK(gate_up.empty() ? top_k == 0 : top_k >= 1 && top_k <= size(), "ExpertSet: top-k ", top_k, " of ",
+              size(), " experts");
+  TORCH_CHECK(n_gate_up % 2 == 0, "ExpertSet: gate|up has an even number of outputs");
+  for (const at::Tensor& w : gate_up) check_cpu(w, "an expert's gate|up");
+  for (const at::Tensor& w : down) check_cpu(w, "an expert's down");
+  gate_up_int8 = int8_matrices(gate_up, n_gate_up, n_down);  // gate|up takes the hidden width down gives
+  down_int8 = int8_matrices(down, n_down, n_gate_up / 2);
+  if (gate_up_int8.empty() || down_int8.empty()) gate_up_int8.clear(), down_int8.clear();
+}
+
+std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize) {
+  check_cpu(logits, "router logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "moe_route: logits [N, experts] fp32");
+  const int64_t n = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= e, "moe_route: top-k ", k, " of ", e, " experts");
+  const at::Tensor top = n ? std::get<0>(logits.max(1)).contiguous() : at::empty({0}, logits.options());
+  const at::Tensor ex = exp_shifted(logits, top), sums = sum_exp_rows(logits);
+  at::Tensor experts = at::empty({n, k}, at::kLong), weights = at::empty({n, k}, at::kFloat);
+  for (int64_t r = 0; r < n; ++r)
+    route_row(ex.data_ptr<float>() + r * e, sums.data_ptr<double>()[r], e, k, normalize,
+              experts.data_ptr<int64_t>() + r * k, weights.data_ptr<float>() + r * k);
+  return {experts, weights};
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const ExpertSet& set) {
   check_cpu(x, "x");
   check_cpu(chosen, "chosen");
   check_cpu(weights, "weights");
@@ -162,17 +207,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
               "moe_experts: chosen [N, k] int64");
   TORCH_CHECK(weights.sizes() == chosen.sizes() && weights.scalar_type() == x.scalar_type(),
               "moe_experts: weights [N, k] in x's dtype");
-  TORCH_CHECK(gate_up.size() == down.size() && n_gate_up % 2 == 0 && n_down == x.size(1),
-              "moe_experts: one gate|up and one down per expert, down back to x's width");
-  const Routes rt = routes(chosen, static_cast<int64_t>(gate_up.size()));
-  const std::vector<QuantMatrix> gu = int8_matrices(rt, gate_up, n_gate_up, x.size(1));
-  const std::vector<QuantMatrix> dn = int8_matrices(rt, down, n_down, n_gate_up / 2);
-  const bool grouped = !rt.experts.empty() && gu.size() == rt.experts.size() && dn.size() == rt.experts.size();
-  const std::vector<at::Tensor> z = grouped ? grouped_int8(x, rt, gu, dn)
-                                            : expert_by_expert(x, rt, gate_up, down, n_gate_up, n_down);
+  TORCH_CHECK(set.size() > 0 && set.n_down == x.size(1), "moe_experts: experts that take and give x's width");
+  const Routes rt = routes(chosen, set.size());
+  const bool grouped = !rt.experts.empty() && !set.gate_up_int8.empty();
+  const std::vector<at::Tensor> z = grouped ? grouped_int8(x, rt, set) : expert_by_expert(x, rt, set);
   at::Tensor out = at::empty_like(x);
   combine(rt, z, weights, out);
   return out;
+}
+
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set) {
+  const at::Tensor logits = linear(x, router, set.size(), c10::nullopt, x.scalar_type() == at::kFloat);
+  const std::vector<at::Tensor> r = moe_route(logits.to(at::kFloat).contiguous(), set.top_k, set.normalize);
+  return moe_experts(x, r[0], r[1].to(x.scalar_type()), set);
 }
 
 }  // namespace mg

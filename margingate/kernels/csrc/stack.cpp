@@ -37,9 +37,9 @@ struct Phase {
 // Where each weight sits among a layer's tensors. Their order is stated once, in Python
 // (kernels/invariant.py: STACK_WEIGHTS), and arrives with them; each is found here by its name.
 // An absent one (a bias, Gemma's norms on a Llama) is an empty tensor; qkv, o, gate_up and down
-// are packed (packing.py).
+// are packed (packing.py); an MoE layer has a router instead of gate_up and down, and its ExpertSet.
 struct WeightIndex {
-  int64_t per_layer, ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, q_norm, k_norm, pre_ffn, post_ffn;
+  int64_t per_layer, ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, q_norm, k_norm, pre_ffn, post_ffn, router;
 };
 
 WeightIndex weight_index(const std::vector<std::string>& names) {
@@ -51,7 +51,8 @@ WeightIndex weight_index(const std::vector<std::string>& names) {
   };
   return {int64_t(names.size()), find("input_layernorm"), find("qkv"), find("qkv_bias"), find("o_proj"),
           find("o_proj_bias"), find("post_attention_layernorm"), find("gate_up"), find("down_proj"),
-          find("q_norm"), find("k_norm"), find("pre_feedforward_layernorm"), find("post_feedforward_layernorm")};
+          find("q_norm"), find("k_norm"), find("pre_feedforward_layernorm"), find("post_feedforward_layernorm"),
+          find("router")};
 }
 
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
@@ -129,10 +130,12 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
                    const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
-                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma) {
+                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma,
+                   const std::vector<std::shared_ptr<ExpertSet>>& experts) {
   const WeightIndex ix = weight_index(names);
   check_stack(h, weights, ix.per_layer, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache, kv_heads,
               windows.size());
+  TORCH_CHECK(int64_t(experts.size()) == k_cache.size(0), "decoder_stack: one ExpertSet per layer (empty: dense)");
   const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
   const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
   at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
@@ -168,9 +171,14 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
     if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], eps, true); }
     { Phase p{4}; add_into(h, y); }
     { Phase p{0}; x = rmsnorm(h, gemma ? W[ix.pre_ffn] : W[ix.ln2], eps, gemma); }
-    { Phase p{1}; gu = linear(x, W[ix.gate_up], 2 * intermediate, c10::nullopt, false); }
-    { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
-    { Phase p{1}; y = linear(act, W[ix.down], h.size(1), c10::nullopt, false); }
+    if (experts[li] && experts[li]->size()) {  // a mixture of experts (moe.cpp)
+      Phase p{1};
+      y = moe_block(x, W[ix.router], *experts[li]);
+    } else {
+      { Phase p{1}; gu = linear(x, W[ix.gate_up], 2 * intermediate, c10::nullopt, false); }
+      { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
+      { Phase p{1}; y = linear(act, W[ix.down], h.size(1), c10::nullopt, false); }
+    }
     if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.post_ffn], eps, true); }
     { Phase p{4}; add_into(h, y); }
   }
