@@ -16,8 +16,8 @@
 namespace mg {
 namespace {
 
-constexpr int kRows = 8;
-constexpr int64_t kAhead = 4096;  // bytes of codes prefetched ahead of the ones read  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
+constexpr int kRows = 8;  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
+constexpr int64_t kAhead = 4096;  // bytes of codes prefetched ahead of the ones read
 
 // The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
 template <int Bits, int Group, int R>
