@@ -17,7 +17,6 @@ namespace mg {
 namespace {
 
 constexpr int kRows = 8;  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
-constexpr int64_t kAhead = 4096;  // bytes of codes prefetched ahead of the ones read
 
 // The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
 template <int Bits, int Group, int R>
@@ -25,10 +24,6 @@ inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, cons
                        __m512i (&a)[R]) {
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
   for (int64_t qd = qd0; qd < qd0 + Group / 4; ++qd) {
-    // The codes stream through memory once (panels lie one after another): ask for them a few pages ahead,
-    // past the 4 KB pages where the hardware's prefetcher stops. Bits are unchanged; only when bytes arrive.
-    _mm_prefetch(reinterpret_cast<const char*>(codes + qd * kQuadBytes<Bits> + kAhead), _MM_HINT_T0);
-    if (high) _mm_prefetch(reinterpret_cast<const char*>(high + qd * kHighBytes<Bits> + kAhead / 4), _MM_HINT_T0);
     const __m512i w = quad_codes512<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr);
     const __m512i u = Bits == 8 ? _mm512_abs_epi8(w) : w;
     const __mmask64 neg = Bits == 8 ? _mm512_movepi8_mask(w) : 0;
