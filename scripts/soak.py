@@ -17,8 +17,11 @@ Starts `margingate serve` on loopback (or uses `--url`; give `--pid` for its mem
    logprobs and finish reason, bitwise.
 
 It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal and the server's VmRSS
-(/proc/PID/status) at start, after the alone-runs and at the end (OUT/soak.json, OUT/soak.md). Exit 1 on a
-5xx, a mismatch, an unexpected status, a lost answer, or a server not idle once the clients stop.
+(/proc/PID/status; OUT/soak.json, OUT/soak.md): at start; after the alone-runs and `--idle-s` seconds idle (the
+baseline); once idle after the soak and `--idle-s` seconds later (the end: an idle server hands its free heap
+pages back after a second, margingate/server/heap.py, so both ends are measured alike), and every
+`--rss-every` seconds throughout (the curve, OUT/rss.png: a plateau or a slope). Exit 1 on a 5xx, a mismatch,
+an unexpected status, a lost answer, or a server not idle once the clients stop.
 """
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -42,6 +44,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import REPO, cpu_name, start_server  # noqa: E402  (the load test's server start)
+from soak_client import Answer, gauges, post, stream  # noqa: E402
+from soak_memory import MemoryLog, curve_table, memory_rows, memory_summary  # noqa: E402
 
 POLICIES = {"reference": {"determinism": {"policy": "reference"}},
             "batch-invariant": {"determinism": {"policy": "batch-invariant"}},
@@ -82,93 +86,6 @@ def request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
         named = {"type": "function", "function": {"name": "get_weather"}}
         body.update(tools=TOOLS, tool_choice=named if shape == "tool_named" else "auto")
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": ask}]}
-
-
-@dataclass
-class Answer:
-    """One response, streamed or not, in one shape: what must equal the alone-run (`key`) and the rest."""
-    status: int | None = None
-    ids: list = field(default_factory=list)
-    text: str = ""
-    calls: dict = field(default_factory=dict)  # tool call index -> [name, arguments]
-    logprobs: list = field(default_factory=list)
-    finish: str | None = None
-    report: dict | None = None
-    done: bool = False
-    error: str | None = None
-
-    def add(self, choice: dict, streamed: bool) -> None:
-        """A whole answer's choice, or a stream chunk's."""
-        self.ids += choice.get("token_ids") or []
-        part = choice.get("delta" if streamed else "message") or {}
-        self.text += choice.get("text") or part.get("content") or ""
-        for i, call in enumerate(part.get("tool_calls") or []):
-            entry = self.calls.setdefault(str(call.get("index", i)), ["", ""])
-            entry[0] += call["function"].get("name") or ""
-            entry[1] += call["function"].get("arguments") or ""
-        lp = choice.get("logprobs") or {}
-        self.logprobs += lp.get("token_logprobs") or [t["logprob"] for t in lp.get("content") or []]
-        self.finish = choice.get("finish_reason") or self.finish
-
-    def key(self) -> tuple:
-        return self.ids, self.text, self.calls, self.logprobs, self.finish
-
-    def differs(self, other: Answer) -> str:
-        """The parts of `key` where the two answers differ."""
-        names = ("ids", "text", "tool calls", "logprobs", "finish reason")
-        return ", ".join(n for n, a, b in zip(names, self.key(), other.key()) if a != b)
-
-
-async def post(client: httpx.AsyncClient, path: str, body: dict | bytes) -> Answer:
-    a = Answer()
-    try:
-        r = await (client.post(path, content=body, headers={"content-type": "application/json"})
-                   if isinstance(body, bytes) else client.post(path, json=body))
-    except httpx.HTTPError as exc:
-        a.error = f"{type(exc).__name__}: {exc}"
-        return a
-    a.status = r.status_code
-    if r.status_code == 200:
-        data = r.json()
-        a.add(data["choices"][0], streamed=False)
-        a.report, a.done = data.get("determinism"), True
-    return a
-
-
-async def stream(client: httpx.AsyncClient, path: str, body: dict, cancel_after: int | None = None) -> Answer:
-    """A streamed request; with `cancel_after`, the connection is closed once that many tokens came."""
-    a = Answer()
-    try:
-        async with client.stream("POST", path, json={**body, "stream": True}) as r:
-            a.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                return a
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    a.done = True
-                    break
-                ev = json.loads(line[6:])
-                a.error = ev["error"].get("message") if "error" in ev else a.error
-                for c in ev.get("choices", []):
-                    a.add(c, streamed=True)
-                a.report = ev.get("determinism") or a.report
-                if cancel_after is not None and len(a.ids) >= cancel_after:
-                    return a  # leaving the block closes the connection: the server must free the slot
-    except httpx.HTTPError as exc:
-        a.error = f"{type(exc).__name__}: {exc}"
-    return a
-
-
-def rss_kb(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return None
 
 
 class Soak:
@@ -285,10 +202,14 @@ async def idle_health(client: httpx.AsyncClient, wait_s: float = 120.0) -> dict:
 
 async def run(url: str, pid: int | None, args) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+    memory, stop = MemoryLog(pid, args.rss_every), asyncio.Event()
+    sampler = asyncio.create_task(memory.run(stop))
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
-        soak, rss = Soak(client, args), {"start": rss_kb(pid)}
+        soak, rss = Soak(client, args), {"start": memory.mark("alone-runs")}
         await soak.alone_runs(args.pool)
-        rss["after_alone_runs"] = rss_kb(pid)
+        memory.mark("idle after alone-runs")
+        await asyncio.sleep(args.idle_s)  # the baseline: warmed up, then idle as long as at the end
+        rss["after_alone_runs"], served = memory.mark("soak"), {"after_alone_runs": await gauges(client)}
         seconds = args.minutes * 60
         t0 = time.monotonic()
         deadline = t0 + seconds
@@ -296,15 +217,18 @@ async def run(url: str, pid: int | None, args) -> dict:
                              *(soak.client_loop(i, deadline) for i in range(args.clients)))
         wall = time.monotonic() - t0  # the clients finish the requests in flight at the deadline
         health = await idle_health(client)
-        rss["end"] = rss_kb(pid)
-    return summary(soak, rss, health, wall, args)
+        rss["at_idle"] = memory.mark("idle")
+        await asyncio.sleep(args.idle_s)  # what the idle server keeps
+        rss["end"], served["end"] = memory.mark("end"), await gauges(client)
+    stop.set()
+    await sampler
+    return {**summary(soak, health, wall, args), **memory_summary(memory, rss), "memory": memory,
+            "server_metrics": served}
 
 
-def summary(soak: Soak, rss: dict, health: dict, wall: float, args) -> dict:
+def summary(soak: Soak, health: dict, wall: float, args) -> dict:
     c = soak.counts
     idle = health["in_flight"] == 0 and (args.url is not None or health["kv_slots_free"] == args.max_batch_size)
-    growth = (round(100 * (rss["end"] / rss["after_alone_runs"] - 1), 2)
-              if rss["end"] and rss["after_alone_runs"] else None)
     return {"seconds": round(wall, 1), "requests": c["requests"], "served": c["served"],
             "tokens_served": c["tokens"], "status_4xx": c["4xx"], "status_5xx": c["5xx"],
             "statuses": dict(sorted(soak.statuses.items())), "bad_requests": c["bad_requests"],
@@ -314,13 +238,11 @@ def summary(soak: Soak, rss: dict, health: dict, wall: float, args) -> dict:
                           "every guaranteed answer (any deterministic policy, streamed or not) compared with it",
             "deterministic_checked": c["checked"], "deterministic_equal": c["equal"],
             "problems": c["problems"], "problem_examples": soak.problems,
-            "rss_kb": rss, "rss_growth_pct_after_alone_runs": growth,
             "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_slots_free")},
             "ok": c["5xx"] == 0 and c["problems"] == 0 and c["checked"] == c["equal"] and idle}
 
 
 def table(report: dict) -> str:
-    rss = report["rss_kb"]
     rows = [("clients x minutes", f"{report['config']['clients']} x {report['config']['minutes']}"),
             ("seconds", report["seconds"]), ("requests sent", report["requests"]),
             ("served (200)", report["served"]), ("tokens served", report["tokens_served"]),
@@ -329,14 +251,14 @@ def table(report: dict) -> str:
             ("deterministic checked / equal to alone",
              f"{report['deterministic_checked']} / {report['deterministic_equal']}"),
             ("problems", report["problems"]),
-            ("VmRSS start / after alone-runs / end (MiB)",
-             " / ".join("-" if v is None else f"{v / 1024:.1f}" for v in rss.values())),
-            ("VmRSS growth after alone-runs", f"{report['rss_growth_pct_after_alone_runs']} %"),
+            *memory_rows(report),
             ("server idle at end", report["health_at_end"]), ("ok", report["ok"])]
     lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join([f"`{report['command']}`", "", *lines, "",
                       f"statuses: {report['statuses']}; answers by policy: {report['answers_by_policy']}",
-                      *(f"- {p}" for p in report["problem_examples"])]) + "\n"
+                      *(f"- {p}" for p in report["problem_examples"]), "",
+                      f"VmRSS over time (every {report['rss_samples']['every_s']:g} s; rss.png):", "",
+                      *curve_table(report["rss_samples"]["samples"])]) + "\n"
 
 
 def stop_server(proc: subprocess.Popen) -> int | None:
@@ -362,6 +284,9 @@ def parse_args(argv):
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="server torch threads (default: all cores)")
+    p.add_argument("--rss-every", type=float, default=10.0, help="seconds between VmRSS samples")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="seconds idle before the baseline VmRSS (after the alone-runs) and before the last one")
     p.add_argument("--out", default=str(REPO / "results" / "soak"), help="writes OUT/soak.json, OUT/soak.md")
     args = p.parse_args(argv)
     if not (1 <= args.pool <= len(TOPICS)) or args.clients < 1 or args.minutes <= 0:
@@ -386,10 +311,15 @@ def main(argv=None) -> int:
                                    shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
               "config": {k: getattr(args, k) for k in ("clients", "minutes", "seed", "pool", "max_tokens",
-                                                       "max_batch_size", "max_queue", "max_model_len", "threads")},
+                                                       "max_batch_size", "max_queue", "max_model_len", "threads",
+                                                       "rss_every", "idle_s")},
               "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine()},
               "server_exit_code": exit_code, **report}
     report["ok"] = report["ok"] and (proc is None or exit_code == 0)
+    memory = report.pop("memory")
+    report["rss_samples"] = memory.report()
+    memory.plot(out / "rss.png", f"margingate serve VmRSS: {args.clients} clients x {args.minutes:g} min, "
+                                 f"{report['host']['cpu']}")
     (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "soak.md").write_text(table(report))
     print(table(report))

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
                    help="when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_grace_s,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they fail")
+    p.add_argument("--heap-trim-idle", type=float, default=ServerConfig.heap_trim_idle_s, metavar="SECONDS",
+                   help="once the engine has been idle this long, give the C heap's free pages back to the system "
+                        "(glibc malloc_trim; 0: never)")
     p.add_argument("--cors-origins", nargs="+", default=(), metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000; * allows any")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -69,7 +72,8 @@ def cmd_serve(args) -> None:
               file=sys.stderr)
     config = ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue, default_policy=args.default_policy,
                           default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout,
-                          deterministic_by_default=args.deterministic_by_default, cors_origins=tuple(args.cors_origins))
+                          deterministic_by_default=args.deterministic_by_default, cors_origins=tuple(args.cors_origins),
+                          heap_trim_idle_s=args.heap_trim_idle)
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
 

@@ -15,7 +15,7 @@ depends on.
 The parts: config.py (settings), state.py (what one app holds), worker.py (the engine thread),
 parsing.py (body -> Job), jobs.py (events -> answer), streaming.py (SSE; the text and its stop
 strings are the engine's: engine/detokenize.py), routes.py, guard.py (API key, request counts),
-errors.py, protocol.py, metrics.py.
+errors.py, protocol.py, metrics.py, heap.py (the C heap's free pages handed back once idle).
 """
 from __future__ import annotations
 

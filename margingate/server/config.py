@@ -19,6 +19,8 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0     # in-flight requests get this long on SIGTERM
     retry_after_s: int = 1
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS headers
+    # after this many idle seconds the engine thread hands the C heap's free pages back (heap.py); 0: never
+    heap_trim_idle_s: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "api_key", self.api_key or None)  # "" means no key
@@ -30,5 +32,7 @@ class ServerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.heap_trim_idle_s < 0:
+            raise ValueError(f"heap_trim_idle_s must be >= 0, got {self.heap_trim_idle_s}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")

@@ -83,6 +83,8 @@ class Metrics:
             ("prefix_cache_hits_total", "admitted requests that reused the K/V of a cached prompt prefix"),
             ("prefix_cache_misses_total", "admitted requests that found no cached prefix (prefix cache on)"),
             ("prefix_cache_reused_tokens_total", "prompt positions copied from the prefix cache, not computed"),
+            ("heap_trims_total", "idle spells after which the engine thread gave the C heap's free pages back"),
+            ("heap_released_bytes_total", "resident bytes those trims gave back to the system"),
         ]:
             self._help[name] = (c, text)
         for name, text in [

@@ -20,7 +20,8 @@ class ServerState:
         self.model_id = llm.model_name
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue)
+        self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue,
+                                   heap_trim_idle_s=config.heap_trim_idle_s)
         engine.detokenize = text_decoder(llm.tokenizer.hf)  # the engine thread's own copy: it takes no lock
         engine.grammars = llm.grammars
         self.tool_format = template_format(getattr(llm.tokenizer.hf, "chat_template", None))  # tools.py

@@ -33,6 +33,7 @@ from typing import Any
 from ..engine import Request, Result
 from ..engine.engine import Engine, StreamEvent
 from .config import ServerConfig
+from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("margingate.server")
@@ -65,7 +66,7 @@ class Handle:
 
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = ServerConfig.max_queue,
-                 idle_poll_s: float = 0.05):
+                 idle_poll_s: float = 0.05, heap_trim_idle_s: float | None = ServerConfig.heap_trim_idle_s):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
@@ -73,6 +74,7 @@ class EngineWorker:
         self.max_queue = max_queue
         self.capacity = engine.config.max_batch_size + max_queue  # running + waiting
         self.idle_poll_s = idle_poll_s
+        self.heap = IdleTrim(heap_trim_idle_s)  # the C heap's free pages go back once idle (heap.py)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0                 # submitted and not yet closed (guarded by _lock)
@@ -177,6 +179,9 @@ class EngineWorker:
                     break
                 if self.engine.has_work:
                     self._step()
+                    self.heap.busy()
+                elif self._in_flight == 0:
+                    self._trim_when_idle()
                 load = self.engine.load
                 self.waiting, self.running = load.waiting, load.running
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
@@ -184,6 +189,12 @@ class EngineWorker:
                 log.error("engine loop error (continuing): %s", traceback.format_exc())
                 time.sleep(0.01)
         self._fail_all(503, "the server is shutting down", inbox=True)
+
+    def _trim_when_idle(self) -> None:
+        released = self.heap.idle()
+        if released is not None:
+            self.metrics.inc("heap_trims_total")
+            self.metrics.inc("heap_released_bytes_total", released)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every pending command; False when told to stop."""

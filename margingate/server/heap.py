@@ -1,0 +1,86 @@
+"""Handing the C heap's free pages back to the system once the server goes idle (issue 47's soak).
+
+Under concurrent traffic the engine's biggest steps (many prompts prefilled in one forward) allocate tensors
+of several MiB. glibc serves them from its heaps rather than from fresh mappings: freeing the model's
+load-time buffers raised its mmap threshold to 32 MiB. Freed, that memory stays in the heaps for reuse, so
+the resident size steps up to the largest step's working set during the first minute of traffic and then
+stays flat (results/soak/README.md: a plateau, not a slope). `malloc_trim(0)` returns the free pages of
+every arena, a few milliseconds for this server's heaps; the engine thread calls it once per idle spell
+(`IdleTrim`), so traffic never waits on it. Without glibc (musl, macOS) this does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    return _malloc_trim() is not None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set (Linux: /proc/self/statm), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trim() -> int | None:
+    """Give every malloc arena's free pages back to the system; the resident bytes that went (0 if none
+    could), or None without glibc."""
+    fn = _malloc_trim()
+    if fn is None:
+        return None
+    before = resident_bytes()
+    fn(0)
+    after = resident_bytes()
+    return max(0, before - after) if before is not None and after is not None else 0
+
+
+class IdleTrim:
+    """Calls `trim` once the engine has been idle `after_s` seconds, once per idle spell (only if it worked
+    since the last trim). `after_s` 0 or None: never."""
+
+    def __init__(self, after_s: float | None, clock=time.monotonic):
+        self.after_s, self.clock = after_s, clock
+        self.trims, self.released = 0, 0   # how many trims ran, the resident bytes they gave back
+        self._idle_since: float | None = None
+        self._worked = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.after_s) and available()
+
+    def busy(self) -> None:
+        self._idle_since, self._worked = None, True
+
+    def idle(self) -> int | None:
+        """The engine has nothing to do now: trims if the spell has lasted long enough; the bytes released,
+        or None when it did not trim."""
+        if not self._worked or not self.enabled:
+            return None
+        now = self.clock()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < self.after_s:
+            return None
+        self._worked = False
+        released = trim() or 0
+        self.trims += 1
+        self.released += released
+        return released
