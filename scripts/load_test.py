@@ -29,10 +29,8 @@ import json
 import math
 import os
 import platform
-import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,9 +38,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test_report import markdown, percentile, summarize  # noqa: E402
+from serve_process import REPO, cpu_name, scrape, start_server  # noqa: E402
 
+sys.path.insert(0, str(REPO))
 from margingate.data.prompts import builtin_prompts  # noqa: E402
 
 # policies of the mixed-policy clients: (label, body fields); `fast` and non-strict margin promise nothing
@@ -60,63 +60,6 @@ TURNS = ["What does a load balancer do?", "Give one way it can fail.", "How woul
 def is_deterministic(i: int, fraction: float) -> bool:
     """Evenly spread: request i is deterministic when floor((i+1)f) > floor(if)."""
     return math.floor((i + 1) * fraction + 1e-9) > math.floor(i * fraction + 1e-9)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 3)
-
-
-def scrape(text: str) -> dict[str, float]:
-    """Sum of every series of each metric (labels dropped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if line.startswith("#") or not m or "_bucket" in m.group(1):
-            continue
-        try:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-        except ValueError:
-            pass
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
-    """`margingate serve` on a free loopback port, once /health answers; `stderr`: where its log goes (a
-    file for a long run: a pipe nobody reads fills and blocks the server)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "margingate", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
-           "--max-model-len", str(args.max_model_len), "--log-level", "warning", "--shutdown-timeout", "120"]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("MARGINGATE_API_KEY", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log = proc.stderr.read()[-2000:] if proc.stderr else ""
-            raise SystemExit(f"the server exited ({proc.returncode}): {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise SystemExit("the server did not come up within 300 s")
 
 
 def body_for(prompt, max_tokens: int, fields: dict) -> tuple[str, dict]:
@@ -208,26 +151,6 @@ class Runner:
         self.compared += compared
         self.mismatches += compared - identical
         return {"compared_with_alone": compared, "identical": identical}
-
-
-def summarize(results: list[dict], wall: float, delta: dict[str, float]) -> dict:
-    ok = [r for r in results if r["status"] == 200 and r["done"]]
-    tokens = sum(len(r["ids"]) for r in ok)
-    batch_n = delta.get("margingate_batch_size_count", 0.0)
-    return {
-        "requests": len(results), "completed": len(ok),
-        "status_5xx": sum(1 for r in results if (r["status"] or 0) >= 500 or (r["error"] or "").startswith("5")),
-        "errors": sum(1 for r in results if r["status"] != 200 or not r["done"] or r["error"]),
-        "wall_s": round(wall, 2), "throughput_req_s": round(len(ok) / wall, 2),
-        "throughput_tok_s": round(tokens / wall, 1),
-        "latency_p50_s": percentile([r["latency"] for r in ok], 0.5),
-        "latency_p99_s": percentile([r["latency"] for r in ok], 0.99),
-        "ttft_p50_s": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 0.5),
-        "ttft_p99_s": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 0.99),
-        "mean_batch_size": round(delta.get("margingate_batch_size_sum", 0.0) / batch_n, 2) if batch_n else None,
-        "prefix_cache_hits": int(delta.get("margingate_prefix_cache_hits_total", 0)),
-        "prefix_cache_reused_tokens": int(delta.get("margingate_prefix_cache_reused_tokens_total", 0)),
-    }
 
 
 async def traffic_mix(run: Runner, prompts, fraction: float, args) -> dict:
@@ -374,100 +297,6 @@ async def sigterm(run: Runner, proc: subprocess.Popen, prompts, args) -> dict:
     code = await asyncio.to_thread(proc.wait, 180)
     complete = sum(1 for r in results if r["status"] == 200 and r["done"] and len(r["ids"]) == args.max_tokens)
     return {"in_flight_at_sigterm": n, "completed_in_full": complete, "exit_code": code}
-
-
-def markdown(report: dict) -> str:
-    cfg, env = report["config"], report["environment"]
-    lines = [
-        "# Load test: `margingate serve` on loopback",
-        "",
-        "```bash",
-        report["command"],
-        "```",
-        "",
-        f"Machine: {report['host']['cpu']}, {report['host']['cpus']} cores; the server at its default threads "
-        f"({env.get('num_threads')} torch threads = all cores), torch {env.get('torch')}, kernels "
-        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_batch_size']}, queue "
-        f"{cfg['max_queue']}, prefix cache on. `\"deterministic\": true` is `auto` = "
-        f"`{report['auto_resolves_to']}` here. Requests stream (SSE), {cfg['max_tokens']} tokens each "
-        f"(ignore_eos, greedy); latency: request sent to `[DONE]`; TTFT: to the first token released. "
-        f"Measured {report['date']} (1-minute load average {report['load_avg_1m']:.1f} at the end): compare rows of "
-        "one run.",
-        "",
-        "## Traffic mixes",
-        "",
-        f"{cfg['requests']} requests per row from {cfg['concurrency']} concurrent clients; request i takes built-in "
-        "prompt i mod 40 in every row; a hit is any cached block (the chat template's default system prompt is one), "
-        "and after the first row whole prompts repeat. "
-        "On this CPU the deterministic rows are not slower: `auto` runs the invariant kernels, which are as fast "
-        "as `fast`'s here (README, `auto`). \"Equal to alone\": each guaranteed response against the same request "
-        "sent afterwards on the idle server.",
-        "",
-        "| deterministic | completed | 5xx | errors | wall s | req/s | tok/s | p50 latency s | p99 latency s "
-        "| p50 TTFT s | p99 TTFT s | mean batch | prefix hits | equal to alone |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["mixes"]:
-        lines.append(f"| {r['deterministic_fraction']:.0%} | {r['completed']}/{r['requests']} | {r['status_5xx']} "
-                     f"| {r['errors']} | {r['wall_s']} | {r['throughput_req_s']} | {r['throughput_tok_s']} "
-                     f"| {r['latency_p50_s']} | {r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
-                     f"| {r['mean_batch_size']} | {r['prefix_cache_hits']}/{r['requests']} "
-                     f"| {r['identical']}/{r['compared_with_alone']} |")
-    mp, cv, ts = report["mixed_policies"], report["conversations"], report["shared_system_prompt"]
-    d, b, s = report["disconnects"], report["burst"], report["sigterm"]
-    lines += [
-        "",
-        "## Determinism under concurrency",
-        "",
-        f"- **8 concurrent streaming clients, mixed policies** ({', '.join(mp['policies'])}), held-in prompts, "
-        f"{mp['waves']} waves: {mp['completed']}/{mp['requests']} complete, {mp['status_5xx']} 5xx; every "
-        f"guaranteed stream equals the request alone: **{mp['identical']}/{mp['compared_with_alone']}** "
-        "(`fast` and the explicit non-strict margin promise nothing and are not compared).",
-        f"- **8 concurrent 3-turn conversations** (one system prompt, the same mixed policies): "
-        f"{cv['completed']}/{cv['requests']} turns complete, {cv['turns_with_cached_prefix']} of them served a "
-        f"cached prefix (mean {cv['cached_tokens_per_turn_mean']} prompt tokens reused per turn, "
-        f"{cv['prefix_cache_hits']} prefix-cache hits); every guaranteed turn equals the request alone: "
-        f"**{cv['identical']}/{cv['compared_with_alone']}**.",
-        "",
-        "## Prefix cache: a long shared system prompt",
-        "",
-        f"A system prompt of about {ts['system_prompt_tokens_about']} tokens; cold = never sent before, hit = the "
-        f"same system prompt with another question ({ts['cached_tokens_on_hit']} prompt tokens from the cache). "
-        f"Median of {ts['reps']}: TTFT cold **{ts['ttft_cold_p50_s']} s**, hit **{ts['ttft_hit_p50_s']} s**: "
-        f"**{ts['ttft_factor']}x** faster. The cold request sent again (a hit) gave the cold run's tokens: "
-        f"**{ts['hit_equals_cold_tokens']}**.",
-        "",
-        "## Faults",
-        "",
-        f"- **Disconnects:** {d['streams']} streams closed after their first token: {d['disconnects_counted']} "
-        f"disconnects counted, every KV slot free again {d['all_slots_free_after_s']} s after the last close.",
-        f"- **Burst beyond the queue:** {b['sent']} requests at once against a capacity of {b['capacity']} "
-        f"(running + queued): {b['status_429']} got 429, {b['accepted']} accepted, {b['accepted_complete']} "
-        f"completed in full, **{b['lost']} lost**; equal to alone: {b['identical']}/{b['compared_with_alone']}.",
-        f"- **SIGTERM under load:** {s['in_flight_at_sigterm']} streams in flight; {s['completed_in_full']} "
-        f"finished in full; the server exited with code {s['exit_code']}.",
-        "",
-        f"**Overall: {report['totals']['compared']} responses compared with the request alone, "
-        f"{report['totals']['mismatches']} mismatches; {report['totals']['status_5xx']} 5xx; "
-        f"{report['totals']['lost']} lost.**",
-    ]
-    if report["totals"]["mismatch_examples"]:
-        lines += ["", "Mismatches: " + "; ".join(report["totals"]["mismatch_examples"])]
-    return "\n".join(lines) + "\n"
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "?").strip()
-    family = fields.get("CPU family", "").strip()
-    flags = fields.get("Flags", "").split()
-    zen = {"25": "Zen 3/4", "26": "Zen 5"}.get(family, "") if "AMD" in name else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}{f' ({zen})' if zen else ''}, {', '.join(isa)}"
 
 
 async def run_all(proc, url: str, args) -> dict:

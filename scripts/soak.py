@@ -43,7 +43,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import REPO, cpu_name, start_server  # noqa: E402  (the load test's server start)
+from serve_process import REPO, cpu_name, start_server  # noqa: E402
 from soak_client import Answer, gauges, post, stream  # noqa: E402
 from soak_memory import MemoryLog, curve_table, memory_rows, memory_summary  # noqa: E402
 
