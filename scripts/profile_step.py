@@ -1,6 +1,7 @@
 """Where a decode step's time goes, by kind of work, for `fast-library`, `fast` and `batch-invariant`.
 
     .venv/bin/python scripts/profile_step.py --batch-sizes 1,8,16     # -> results/bench/step_profile.{json,md}
+    .venv/bin/python scripts/profile_step.py --model FILE.gguf --batch-sizes 16 --policies fast --out DIR
 
 For each policy and batch size, B requests (the built-in prompts) decode 32 tokens, then STEPS
 decode steps run under cProfile. The time of every built-in call is attributed to a kind: GEMMs
@@ -95,6 +96,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a model folder or GGUF file (default: the embedded model)")
     p.add_argument("--batch-sizes", default="1,8,16")
     p.add_argument("--policies", default="fast-library,fast,batch-invariant")
     p.add_argument("--out", default="results/bench")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     runs, env = [], None
     for b in sizes:
-        llm = LLM(max_batch_size=b)
+        llm = LLM(args.model, max_batch_size=b) if args.model else LLM(max_batch_size=b)
         env = llm.environment()
         for policy in args.policies.split(","):
             runs.append({"policy": policy, "batch_size": b, **profile(llm, policy, b)})
