@@ -73,7 +73,7 @@ struct Int8Input {
   Int8Input select(const at::Tensor& index) const;  // those rows, in that order
 };
 using Int8Kernel = void (*)(const Int8Rows&, const QuantPart&, int64_t, float*, int64_t);
-std::vector<int64_t> int8_blocks(const QuantMatrix& m);  // the activation blocks m's parts use
+std::vector<int64_t> int8_blocks(const std::vector<const QuantMatrix*>& ms);  // the blocks their parts use
 Int8Input int8_input(const at::Tensor& x, const std::vector<int64_t>& blocks);
 Int8Kernel int8_kernel(bool reference);  // the proven path in use, or the scalar reference
 void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel,

@@ -80,7 +80,7 @@ Int8Acts quantize(const at::Tensor& x, int64_t kp, int64_t block) {
 constexpr int64_t kInt8RowBlock = 64;  // rows whose q stay in L2 while a job's panels pass
 
 at::Tensor run_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel) {
-  const Int8Input in = int8_input(x, int8_blocks(m));
+  const Int8Input in = int8_input(x, int8_blocks({&m}));
   at::Tensor out = at::empty({x.size(0), m.n}, x.options());
   const int64_t work = x.size(0) * m.k * m.panels * kPanel;
   const int64_t grain = work < (int64_t(1) << 18) ? m.panels : std::max<int64_t>(1, m.panels / (8 * at::get_num_threads()));
@@ -192,10 +192,11 @@ Int8Input Int8Input::select(const at::Tensor& index) const {
   return out;
 }
 
-std::vector<int64_t> int8_blocks(const QuantMatrix& m) {
+std::vector<int64_t> int8_blocks(const std::vector<const QuantMatrix*>& ms) {
   std::vector<int64_t> blocks;
-  for (const QuantPart& q : m.parts)
-    if (std::find(blocks.begin(), blocks.end(), q.block) == blocks.end()) blocks.push_back(q.block);
+  for (const QuantMatrix* m : ms)
+    for (const QuantPart& q : m->parts)
+      if (std::find(blocks.begin(), blocks.end(), q.block) == blocks.end()) blocks.push_back(q.block);
   return blocks;
 }
 

@@ -3,9 +3,9 @@
 // runs its rows (ascending) through the invariant linear (gate|up, SwiGLU, down), and the experts' outputs,
 // each times its row's weight and rounded, are added into the row by expert index, ascending, one rounding
 // each. The same bits as moe.py's loop over experts (a row's linear is a function of the row alone), without
-// a Python step per expert; the compiled decoder stack (stack.cpp) calls it for its MoE layers. Under the int8 contract the chosen experts' panels of each matrix run in one
-// parallel region, x quantized once: a decode step streams the experts' bytes without a fork and join per
-// matrix (as llama.cpp's mul_mat_id does).
+// a Python step per expert; the compiled decoder stack (stack.cpp) calls it for its MoE layers. Under the
+// int8 contract the chosen experts' panels of each matrix run in one parallel region, x quantized once: a
+// decode step streams the experts' bytes without a fork and join per matrix (as llama.cpp's mul_mat_id does).
 #include <ATen/Parallel.h>
 
 #include <array>
@@ -79,20 +79,12 @@ void run_matrices(const std::vector<const QuantMatrix*>& ms, const std::vector<I
   });
 }
 
-std::vector<int64_t> blocks_of(const std::vector<const QuantMatrix*>& ms) {
-  std::vector<int64_t> blocks;
-  for (const QuantMatrix* m : ms)
-    for (const int64_t b : int8_blocks(*m))
-      if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
-  return blocks;
-}
-
 // The same under the int8 contract, every chosen expert's panels of a matrix in one parallel region.
 std::vector<at::Tensor> grouped_int8(const at::Tensor& x, const Routes& rt, const ExpertSet& set) {
   const size_t chosen = rt.experts.size();
   std::vector<const QuantMatrix*> gate_up, down;
   for (const int64_t e : rt.experts) gate_up.push_back(&set.gate_up_int8[e]), down.push_back(&set.down_int8[e]);
-  const Int8Input all = int8_input(x, blocks_of(gate_up));  // a row quantizes alike for every expert
+  const Int8Input all = int8_input(x, int8_blocks(gate_up));  // a row quantizes alike for every expert
   std::vector<Int8Input> in;
   std::vector<at::Tensor> y, z;
   for (size_t i = 0; i < chosen; ++i) {
@@ -102,7 +94,7 @@ std::vector<at::Tensor> grouped_int8(const at::Tensor& x, const Routes& rt, cons
   }
   run_matrices(gate_up, in, y);
   at::parallel_for(0, static_cast<int64_t>(chosen), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(silu_mul(y[i]), int8_blocks(*down[i]));
+    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(silu_mul(y[i]), int8_blocks({down[i]}));
   });
   run_matrices(down, in, z);
   return z;
