@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from margingate.models import build_model
+from margingate.models.decoder import AttentionPlan
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -67,9 +67,12 @@ def _errors(name: str, tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
     kv = KVCache(config.num_layers, 1, POSITIONS, config.num_kv_heads, config.head_dim, torch.bfloat16, "cpu")
     n = POSITIONS
     mine = ours.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
+    # Loaded in bf16, as a user loads it: `hf.to(torch.bfloat16)` would round the rotary inverse frequencies
+    # (a buffer) to bf16 too, an error that grows with position and is not transformers' bf16 path.
+    hf_bf16 = getattr(tf, ARCHITECTURES[name][1]).from_pretrained(folder, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         truth = hf(tokens[None]).logits[0].float().log_softmax(-1)
-        theirs = hf.to(torch.bfloat16)(tokens[None]).logits[0].float().log_softmax(-1)
+        theirs = hf_bf16(tokens[None]).logits[0].float().log_softmax(-1)
     ours_err = (mine.float().log_softmax(-1) - truth).abs().mean(-1)
     return ours_err, (theirs - truth).abs().mean(-1)
 
@@ -83,3 +86,10 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(name, tmp_path):
     assert ours.mean() > 0, f"{report}: ours equals fp32 exactly, so the comparison ran in fp32"
     assert ours.mean() <= 1.5 * theirs.mean(), report
     assert ours[-quarter:].mean() <= 1.5 * ours[:quarter].mean(), f"{report}: grows along the sequence"
+
+
+def test_every_architecture_is_measured_here():
+    """A new entry in `models/architectures.py` must bring its transformers oracle to this table."""
+    from margingate.models.architectures import ARCHITECTURES as SUPPORTED
+
+    assert {model_cls for _, model_cls, _ in ARCHITECTURES.values()} == set(SUPPORTED)

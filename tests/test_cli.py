@@ -22,7 +22,7 @@ def test_help_loads_no_torch():
     engine: every command's module keeps them for when it runs. In a fresh interpreter, since this
     one has them loaded already."""
     probe = ("import sys; from margingate.cli import build_parser; build_parser(); "
-             "print(sorted(m for m in ('torch', 'margingate.engine.engine', 'margingate.models.llama', "
+             "print(sorted(m for m in ('torch', 'margingate.engine.engine', 'margingate.models.decoder', "
              "'margingate.llm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

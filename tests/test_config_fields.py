@@ -14,8 +14,8 @@ import torch
 from margingate.models import config as config_module
 from margingate.models import rope_scaling
 from margingate.models.config import ModelConfig
+from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -45,7 +45,7 @@ def _our_logprobs(folder, tokens, **config_changes) -> torch.Tensor:
     config = load_config(folder)
     if config_changes:
         config = ModelConfig(**{**{f: getattr(config, f) for f in config.__slots__}, **config_changes})
-    model = LlamaModel(config, load_state_dict(folder, torch.bfloat16))
+    model = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     n = tokens.shape[0]
     kv = KVCache(config.num_layers, 1, n, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     logits = model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n),

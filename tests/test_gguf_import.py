@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from margingate.models import gguf_import, loader, named
+from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.gguf_export import permute
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, LlamaModel
 
 gguf = pytest.importorskip("gguf")
 
@@ -98,7 +98,7 @@ def cache(tmp_path, monkeypatch):
 
 def _logits(folder, tokens):
     config = loader.load_config(folder)
-    model = LlamaModel(config, loader.load_state_dict(folder))
+    model = DecoderModel(config, loader.load_state_dict(folder))
     kv = KVCache(config.num_layers, 1, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     n = len(tokens)
     return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv,

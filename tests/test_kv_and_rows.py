@@ -10,8 +10,8 @@ from margingate.engine.policy import VerifyJob
 from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
 from margingate.engine.verifier import Verifier
+from margingate.models.decoder import AttentionPlan
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan
 from margingate.policies import VerifyState
 
 # --- KVCache -----------------------------------------------------------------------

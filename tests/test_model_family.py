@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 from margingate.models.weights import WeightsError
 
@@ -61,7 +61,7 @@ def test_family_matches_transformers(kind, invariant, tmp_path):
     folder = resolve_model_dir(str(folder))
     config = load_config(folder)
     assert config.attention_bias == (kind in ("qwen2", "llama-bias"))
-    ours = LlamaModel(config, load_state_dict(folder, torch.bfloat16))
+    ours = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (20,))
     kv = KVCache(config.num_layers, 2, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     logits = ours.forward(tokens, torch.arange(20), torch.zeros(20, dtype=torch.long), AttentionPlan.all_exact(20),
@@ -96,7 +96,7 @@ def _variant(folder, dest, drop=(), add=None, config=None):
 
 
 def _load(folder):
-    return LlamaModel(load_config(folder), load_state_dict(folder))
+    return DecoderModel(load_config(folder), load_state_dict(folder))
 
 
 def _logits(model, tokens):
@@ -186,7 +186,7 @@ def test_attention_bias_respected(tmp_path):
     assert not load_config(_variant(mistral, tmp_path / "mistral-on", config={"attention_bias": True})).attention_bias
 
 
-def _fused_and_layered(model: LlamaModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+def _fused_and_layered(model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        decode: torch.Tensor):
     """The same bf16 forwards through the one-call compiled stack and through the layer-by-layer
     Python path, each into its own cache: a prefill whose rows attend exactly, then one decode

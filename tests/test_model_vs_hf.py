@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
+from margingate.models.decoder import AttentionPlan
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan
 from margingate.models.loader import (
     ModelNotFoundError,
     UnsupportedModelError,

@@ -9,8 +9,8 @@ import torch
 from margingate.kernels import layers
 from margingate.models import moe
 from margingate.models.config import ModelConfig
+from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, LlamaModel
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def test_moe_matches_transformers(kind, invariant, tmp_path):
     config = load_config(folder)
     assert config.num_experts == 4 and config.experts_per_token == 2
     assert config.moe_layers == ((1,) if kind == "qwen3-moe-dense-first" else (0, 1))
-    ours = LlamaModel(config, load_state_dict(folder, torch.bfloat16))
+    ours = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))
     kv = KVCache(config.num_layers, 1, 32, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     logits = ours.forward(tokens, torch.arange(24), torch.zeros(24, dtype=torch.long), AttentionPlan.all_exact(24),
@@ -63,7 +63,7 @@ def test_a_rows_experts_and_output_do_not_depend_on_the_other_rows(tmp_path):
     """bf16 rows through the block: each row alone, and the rows in shuffled batches, give the same bits."""
     _, folder = _hf_folder("qwen3-moe", tmp_path)
     config = load_config(folder)
-    L = LlamaModel(config, load_state_dict(folder, torch.bfloat16)).own_weights.layers[0]
+    L = DecoderModel(config, load_state_dict(folder, torch.bfloat16)).own_weights.layers[0]
     x = (torch.randn(40, 64, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
 
     def block(rows):

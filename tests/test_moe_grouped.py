@@ -141,15 +141,15 @@ def test_the_compiled_stack_runs_moe_layers_to_the_layer_by_layer_bits(quantize,
     by one in Python: the same logits, bit for bit, prefill and a decode step of several rows."""
     from test_moe import _hf_folder
 
+    from margingate.models.decoder import AttentionPlan, DecoderModel
     from margingate.models.kv_cache import KVCache
-    from margingate.models.llama import AttentionPlan, LlamaModel
     from margingate.models.loader import load_config, load_state_dict
     from margingate.models.quantize import quantize_state
 
     _, folder = _hf_folder("qwen3-moe-dense-first", tmp_path)
     config = load_config(folder)
     state = load_state_dict(folder, torch.bfloat16)
-    model = LlamaModel(config, quantize_state(state, config, quantize) if quantize else state)
+    model = DecoderModel(config, quantize_state(state, config, quantize) if quantize else state)
     assert all(L.expert_set.grouped == bool(quantize) for L in model.own_weights.layers if L.experts)
     tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(8))
     slots = torch.tensor([0] * 12 + [1] * 8)

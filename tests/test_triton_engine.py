@@ -20,8 +20,8 @@ pytest.importorskip("triton", reason="triton is not installed (`pip install trit
 from margingate.engine import Request  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.kernels import triton as mt  # noqa: E402
+from margingate.models.decoder import AttentionPlan, DecoderModel, resolve_kernels  # noqa: E402
 from margingate.models.kv_cache import KVCache  # noqa: E402
-from margingate.models.llama import AttentionPlan, LlamaModel, resolve_kernels  # noqa: E402
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir  # noqa: E402
 from margingate.options import PolicySpec, SpeculativeConfig  # noqa: E402
 from margingate.policies import build  # noqa: E402
@@ -51,7 +51,7 @@ def hf_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(hf_folder):
     folder = hf_folder[1]
-    return LlamaModel(load_config(folder), load_state_dict(folder), DEVICE, kernels="triton")
+    return DecoderModel(load_config(folder), load_state_dict(folder), DEVICE, kernels="triton")
 
 
 def test_triton_kernels_are_resolved_by_device():

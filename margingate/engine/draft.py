@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.decoder import DecoderModel
 from ..models.kv_cache import KVCache
-from ..models.llama import LlamaModel
 from ..options.speculative import SpeculativeError
 from .proposers import Proposer
 from .runner import Runner, Span
@@ -32,7 +32,7 @@ def check_draft(target_vocab: int, draft_vocab: int, same_tokenizer: bool) -> No
 class DraftModel:
     """A loaded draft model and its KV cache, shared by the requests that speculate with it."""
 
-    def __init__(self, model: LlamaModel, slots: int, max_len: int):
+    def __init__(self, model: DecoderModel, slots: int, max_len: int):
         mc = model.config
         self.kv = KVCache(mc.num_layers, slots + 1, max_len, mc.num_kv_heads, mc.head_dim, torch.bfloat16,
                           model.device)

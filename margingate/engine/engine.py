@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ..models.decoder import DecoderModel
 from ..models.kv_cache import KVCache
-from ..models.llama import LlamaModel
 from ..options.engine import EngineConfig
 from .detokenize import Detokenizer
 from .logprobs import logprobs_of
@@ -58,7 +58,7 @@ class StreamEvent:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, config: EngineConfig, default_policy: Callable[[], Policy]):
+    def __init__(self, model: DecoderModel, config: EngineConfig, default_policy: Callable[[], Policy]):
         self.model, self.config = model, config
         self.num_threads = config.num_threads or os.cpu_count() or 1
         torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.decoder import AttentionPlan, DecoderModel
 from ..models.kv_cache import KVCache
-from ..models.llama import AttentionPlan, LlamaModel
 from .sequence import Sequence
 
 
@@ -38,7 +38,7 @@ class Span:
 
 
 class Runner:
-    def __init__(self, model: LlamaModel, kv: KVCache):
+    def __init__(self, model: DecoderModel, kv: KVCache):
         self.model, self.kv, self.device = model, kv, model.device
         self.scratch_slot = kv.allocate()  # where the dummy rows of padded verifier passes write
 
@@ -66,7 +66,7 @@ class Runner:
     def _decode_span(self, seq: Sequence) -> Span:
         """A request's decode rows: [last token] or, speculating, [last token, d1..dk] (exact attention,
         so each row is the row of decoding its position alone). A row that need not be exact takes the
-        faster kernel set here: ours on CPU, the library's on CUDA (`LlamaModel.invariant_is_fastest`)."""
+        faster kernel set here: ours on CPU, the library's on CUDA (`DecoderModel.invariant_is_fastest`)."""
         drafts = tuple(seq.drafts)
         exact = seq.policy.exact_attention or bool(drafts)
         return Span(seq, seq.last_fed_pos, seq.next_pos + len(drafts), exact_attention=exact,

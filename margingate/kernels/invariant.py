@@ -215,46 +215,6 @@ def philox4x32(counter: list[int], key: list[int]) -> list[int]:
     return [int(x) for x in out]
 
 
-# A decoder layer's tensors as `decoder_stack` takes them, by LayerWeights field: the one statement of
-# their order. C++ (csrc/stack.cpp) receives these names with the tensors and finds each weight by
-# name: the order is written only here.
-STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", "post_attention_layernorm",
-                 "gate_up", "down_proj", "q_norm", "k_norm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm", "router")
-
-
-def stack_weights(layers: list) -> list[torch.Tensor]:
-    """The layers' weights flattened for `decoder_stack`: STACK_WEIGHTS per layer, packed (or quantized)
-    matrices as their data, an absent weight (a bias, Gemma's norms on a Llama) as an empty tensor."""
-    none = torch.empty(0, dtype=torch.bfloat16)
-    flat = (getattr(L, name) for L in layers for name in STACK_WEIGHTS)
-    return [none if t is None else t.data if isinstance(t, (PackedWeight, QuantWeight)) else t for t in flat]
-
-
-def decoder_stack(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  aligns: torch.Tensor, heads: int, kv_heads: int, intermediate: int, eps: float, scale: float,
-                  windows: list[int] | None = None, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  gemma: bool = False, experts: list | None = None) -> torch.Tensor:
-    """Every decoder layer in one compiled call for bf16 rows (attention chunks aligned per row as in
-    `attention`): h [N, hidden] is updated in place and returned; K/V written into the caches
-    [layers, S, Hkv, L, D]. `weights`: `stack_weights` of the layers.
-    `windows`: each layer's sliding window (0: none); those layers rotate by `local_rope`. `gemma`: Gemma 3's layer.
-    `experts`: each layer's `expert_set` (an MoE layer's experts; a dense layer's empty), default all dense."""
-    cos_local, sin_local = local_rope if local_rope is not None else (cos, sin)
-    ops().decoder_stack(h, weights, STACK_WEIGHTS, cos.contiguous(), sin.contiguous(), cos_local.contiguous(),
-                        sin_local.contiguous(), k_cache, v_cache, slots, positions, aligns, heads, kv_heads,
-                        intermediate, eps, scale, windows or [0] * k_cache.shape[0], gemma,
-                        experts or [dense_set()] * k_cache.shape[0])
-    return h
-
-
-@functools.cache
-def dense_set():
-    """The empty `expert_set` of a dense layer."""
-    return expert_set([], 0, False)
-
-
 if __name__ == "__main__":  # `python -m margingate.kernels.invariant`: build now (make venv does)
     ops()
     print(f"margingate invariant kernels ready in {build_dir()}")

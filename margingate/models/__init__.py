@@ -1,4 +1,4 @@
-"""Model configs, weights and forwards. `build_model` picks the forward for an architecture."""
+"""Model configs, weights and forwards. `build_model` builds the decoder of an architecture."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,18 +7,16 @@ if TYPE_CHECKING:
     import torch
 
     from .config import ModelConfig
-    from .llama import LlamaModel
+    from .decoder import DecoderModel
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
-                kernels: str = "auto") -> LlamaModel:
-    """Gemma 3's forward for Gemma3ForCausalLM, the Llama family's for the others; `kernels`: the
-    invariant kernels' backend (`llama.resolve_kernels`)."""
-    from .gemma3 import Gemma3Model
-    from .llama import LlamaModel
+                kernels: str = "auto") -> DecoderModel:
+    """The decoder of `config`'s architecture (its layer: `architectures.ARCHITECTURES`); `kernels`: the
+    invariant kernels' backend (`decoder.resolve_kernels`)."""
+    from .decoder import DecoderModel
 
-    model = Gemma3Model if config.architecture == "Gemma3ForCausalLM" else LlamaModel
-    built = model(config, state, device, kernels)
+    built = DecoderModel(config, state, device, kernels)
     _return_freed_heap()
     return built
 

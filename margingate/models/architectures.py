@@ -1,8 +1,11 @@
-"""Which tensors each architecture has, and how their Hugging Face names map to ours: plain data that the
-config (which architectures exist, whether they carry biases) and the weights (the names to read) both use."""
+"""Each architecture, described once: its decoder layer (`LayerSpec`), which tensors it has and how their
+Hugging Face names map to ours. Plain data that the config (which architectures exist, whether they carry
+biases), the weights (the names to read) and both forwards (the layer) use."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..kernels.layer_spec import LayerSpec
 
 
 @dataclass(frozen=True)
@@ -20,12 +23,20 @@ class MoeNames:
 class Architecture:
     attention_bias: bool | None  # fixed by the architecture; None: config.json's `attention_bias` (default false)
     biased: tuple[str, ...]      # our projections that carry a bias when attention_bias holds
-    extra: tuple[str, ...] = ()  # layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP)
+    layer: LayerSpec = field(default_factory=LayerSpec)  # the decoder layer's switches
     moe: MoeNames | None = None  # a mixture-of-experts MLP (models/moe.py) in its MoE layers
 
+    def __post_init__(self):
+        if self.moe and self.layer.activation != "silu":  # the experts' kernels gate with SiLU (moe.py, moe.cpp)
+            raise ValueError(f"a mixture of experts with {self.layer.activation} experts is not implemented")
 
-# Gemma 3's q/k norms and its norms around the MLP (its post_attention_layernorm norms the
-# attention's output, where the Llama family's norms the MLP's input).
+    @property
+    def extra(self) -> tuple[str, ...]:
+        """Layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP): the layer's extra norms."""
+        return self.layer.extra_norms
+
+
+# The q/k norms (Qwen3, Gemma 3) and Gemma 3's norms around the MLP (LayerSpec.extra_norms).
 EXTRA_LAYER_MAP = {
     "q_norm": ("self_attn.q_norm",),
     "k_norm": ("self_attn.k_norm",),
@@ -33,14 +44,20 @@ EXTRA_LAYER_MAP = {
     "post_feedforward_layernorm": ("post_feedforward_layernorm",),
 }
 
+QK_NORMED = LayerSpec(qk_norm=True)
+# Gemma 3: (1 + w) norms, q/k norms, the attention and MLP outputs normed before their residual adds,
+# GELU-tanh, embeddings scaled by sqrt(hidden).
+GEMMA3_LAYER = LayerSpec(unit_offset_norms=True, qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
+                         embed_scale=True)
+
 ARCHITECTURES = {  # as transformers builds them
     "LlamaForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj")),
     "MistralForCausalLM": Architecture(attention_bias=False, biased=()),
     "Qwen2ForCausalLM": Architecture(attention_bias=True, biased=("qkv",)),
-    "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), extra=tuple(EXTRA_LAYER_MAP)),
+    "Gemma3ForCausalLM": Architecture(attention_bias=False, biased=(), layer=GEMMA3_LAYER),
     # Qwen3: the Llama layer with q and k RMS-normed per head before RoPE (plain weights, not Gemma's 1 + w)
-    "Qwen3ForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), extra=("q_norm", "k_norm")),
-    "Qwen3MoeForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), extra=("q_norm", "k_norm"),
+    "Qwen3ForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), layer=QK_NORMED),
+    "Qwen3MoeForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"), layer=QK_NORMED,
                                         moe=MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": Architecture(attention_bias=False, biased=(), moe=MoeNames(
         "block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),

@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 
+from ..kernels.layer_spec import LayerSpec
 from . import rope_scaling
 from .architectures import ARCHITECTURES
 
@@ -110,6 +111,11 @@ class ModelConfig:
         if self.query_pre_attn_scalar:
             return self.query_pre_attn_scalar ** -0.5
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def layer(self) -> LayerSpec:
+        """The architecture's decoder layer (architectures.py)."""
+        return ARCHITECTURES[self.architecture].layer
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window; 0: it attends over every earlier position."""

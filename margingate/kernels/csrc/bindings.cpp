@@ -36,7 +36,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum, as torch.argmax (NaN wins)");
   m.def("philox4x32", &philox4x32, "one Philox4x32-10 block (known-answer tests)");
   m.def("add_gumbel_", &add_gumbel_, "rows[r] += Gumbel noise keyed by (seed, first_position + r, token), in place");
-  m.def("decoder_stack", &decoder_stack, "every decoder layer for rows that all attend exactly (bf16)");
+  py::class_<StackSpec, std::shared_ptr<StackSpec>>(m, "StackSpec", "a model's decoder stack: layer, shape, weights")
+      .def(py::init<>())
+      .def_readwrite("unit_offset_norms", &StackSpec::unit_offset_norms)
+      .def_readwrite("qk_norm", &StackSpec::qk_norm)
+      .def_readwrite("sandwich_norms", &StackSpec::sandwich_norms)
+      .def_readwrite("gelu_tanh", &StackSpec::gelu_tanh)
+      .def_readwrite("heads", &StackSpec::heads)
+      .def_readwrite("kv_heads", &StackSpec::kv_heads)
+      .def_readwrite("intermediate", &StackSpec::intermediate)
+      .def_readwrite("eps", &StackSpec::eps)
+      .def_readwrite("scale", &StackSpec::scale)
+      .def_readwrite("windows", &StackSpec::windows)
+      .def_readwrite("weights", &StackSpec::weights)
+      .def_readwrite("names", &StackSpec::names)
+      .def_readwrite("experts", &StackSpec::experts)
+      .def("check", &StackSpec::check);
+  m.def("decoder_stack", &decoder_stack, "every decoder layer of a StackSpec for bf16 rows", py::arg("h"),
+        py::arg("spec"), py::arg("cos"), py::arg("sin"), py::arg("cos_local"), py::arg("sin_local"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("aligns"));
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
   m.attr("CHUNK") = kChunk;

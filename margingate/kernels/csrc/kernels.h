@@ -120,13 +120,23 @@ std::vector<int64_t> argmax_rows(const at::Tensor& x);
 at::Tensor philox4x32(const at::Tensor& counter, const at::Tensor& key);
 void add_gumbel_(at::Tensor& rows, int64_t seed, int64_t first_position);
 
-// stack.cpp
-void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const std::vector<std::string>& names,
-                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
-                   const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                   const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
-                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma,
-                   const std::vector<std::shared_ptr<ExpertSet>>& experts);
+// stack.cpp: a model's decoder stack, described once (kernels/stack.py's stack_spec builds it)
+struct StackSpec {
+  // the layer (kernels/layer_spec.py's LayerSpec): (1 + w) norms; q/k normed per head before RoPE; the
+  // attention and MLP outputs normed before their adds (post_attention_layernorm then norms the attention's
+  // output, pre_feedforward_layernorm the MLP's input); GELU-tanh instead of SiLU
+  bool unit_offset_norms = false, qk_norm = false, sandwich_norms = false, gelu_tanh = false;
+  int64_t heads = 0, kv_heads = 0, intermediate = 0;
+  double eps = 0.0, scale = 0.0;
+  std::vector<int64_t> windows;  // per layer: 0, or its sliding window (those layers rotate by the local tables)
+  std::vector<at::Tensor> weights;  // per layer, one tensor per name (empty: absent)
+  std::vector<std::string> names;
+  std::vector<std::shared_ptr<ExpertSet>> experts;  // per layer (empty set: dense)
+  void check() const;  // counts and shapes agree (a named error otherwise)
+};
+void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns);
 std::vector<std::pair<std::string, double>> stack_profile(bool on);
 
 namespace {

@@ -1,4 +1,4 @@
-// The decoder stack in one call (the layer of models/llama.py, with Qwen3's q/k norms, and models/gemma3.py).
+// The decoder stack in one call: models/decoder.py's layer, its switches read from a StackSpec (kernels/layer_spec.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -10,7 +10,7 @@
 namespace mg {
 namespace {
 
-// models/llama.py's layer for a forward with bf16 activations and a bf16 cache (each row's
+// models/decoder.py's layer for a forward with bf16 activations and a bf16 cache (each row's
 // attention chunks aligned as `aligns` says, see attend_row): the same kernels in the same order, called from here
 // instead of ~14 Python dispatches per layer. RoPE and the residual adds round each op
 // to bf16 as PyTorch's elementwise bf16 ops do (compute in fp32, round to nearest even),
@@ -35,7 +35,7 @@ struct Phase {
 };
 
 // Where each weight sits among a layer's tensors. Their order is stated once, in Python
-// (kernels/invariant.py: STACK_WEIGHTS), and arrives with them; each is found here by its name.
+// (kernels/stack.py: STACK_WEIGHTS), and arrives with them; each is found here by its name.
 // An absent one (a bias, Gemma's norms on a Llama) is an empty tensor; qkv, o, gate_up and down
 // are packed (packing.py); an MoE layer has a router instead of gate_up and down, and its ExpertSet.
 struct WeightIndex {
@@ -57,23 +57,20 @@ WeightIndex weight_index(const std::vector<std::string>& names) {
 
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
-void check_stack(const at::Tensor& h, const std::vector<at::Tensor>& weights, int64_t per_layer,
-                 std::initializer_list<const at::Tensor*> ropes, const at::Tensor& k_cache,
-                 const at::Tensor& v_cache, int64_t kv_heads, size_t windows) {
+void check_rows(const at::Tensor& h, const StackSpec& spec, std::initializer_list<const at::Tensor*> ropes,
+                const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
               "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
-  TORCH_CHECK(int64_t(weights.size()) == per_layer * k_cache.size(0),
-              "decoder_stack: ", per_layer, " tensors per layer (one per name), one cache layer each");
+  TORCH_CHECK(int64_t(spec.windows.size()) == k_cache.size(0), "decoder_stack: one cache layer per layer");
   const at::Tensor& cos = **ropes.begin();
   for (const at::Tensor* t : ropes)
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
                 "decoder_stack: cos, sin (global and local) [N, D] bf16");
-  TORCH_CHECK(int64_t(windows) == k_cache.size(0), "decoder_stack: one window per layer");
-  TORCH_CHECK(k_cache.size(2) == kv_heads && cos.size(0) == h.size(0) && cos.size(1) == k_cache.size(4),
+  TORCH_CHECK(k_cache.size(2) == spec.kv_heads && cos.size(0) == h.size(0) && cos.size(1) == k_cache.size(4),
               "decoder_stack: shapes");
-  TORCH_CHECK(kv_heads * k_cache.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  TORCH_CHECK(spec.kv_heads * k_cache.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
 }
 
 // Where a layer's rows go in the cache, and the rotary tables they use.
@@ -120,24 +117,33 @@ std::vector<std::pair<std::string, double>> stack_profile(bool on) {
   return out;
 }
 
-// h [N, hidden] bf16, updated in place through every layer. cos, sin [N, D] bf16 (the rows'
-// positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D]
-// bf16; weights: per layer, one tensor for each of `names` (weight_index); windows: per layer,
-// 0 or its sliding window. `gemma`: Gemma 3's layer (models/gemma3.py): (1 + w) norms, q/k norms
-// before RoPE, the attention and MLP outputs normed before their residual adds (ln2 is the
-// post-attention norm, the MLP's input norm is pre_ffn_norm), GELU-tanh.
-void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const std::vector<std::string>& names,
-                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
-                   const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                   const at::Tensor& positions, const at::Tensor& aligns, int64_t heads, int64_t kv_heads,
-                   int64_t intermediate, double eps, double scale, const std::vector<int64_t>& windows, bool gemma,
-                   const std::vector<std::shared_ptr<ExpertSet>>& experts) {
+void StackSpec::check() const {
   const WeightIndex ix = weight_index(names);
-  check_stack(h, weights, ix.per_layer, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache, kv_heads,
-              windows.size());
-  TORCH_CHECK(int64_t(experts.size()) == k_cache.size(0), "decoder_stack: one ExpertSet per layer (empty: dense)");
+  const size_t layers = windows.size();
+  TORCH_CHECK(weights.size() == size_t(ix.per_layer) * layers, "StackSpec: ", ix.per_layer,
+              " tensors per layer (one per name) for ", layers, " layers (one window each)");
+  TORCH_CHECK(experts.size() == layers, "StackSpec: one ExpertSet per layer (empty: dense)");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && intermediate > 0, "StackSpec: heads, kv_heads, intermediate");
+  for (size_t li = 0; li < layers; ++li) {
+    const at::Tensor* W = &weights[li * ix.per_layer];
+    TORCH_CHECK((W[ix.q_norm].numel() > 0) == qk_norm && (W[ix.k_norm].numel() > 0) == qk_norm,
+                "StackSpec: layer ", li, (qk_norm ? " lacks q_norm / k_norm" : " has q/k norms its spec does not use"));
+    TORCH_CHECK((W[ix.pre_ffn].numel() > 0) == sandwich_norms && (W[ix.post_ffn].numel() > 0) == sandwich_norms,
+                "StackSpec: layer ", li, (sandwich_norms ? " lacks its feed-forward norms" : " has feed-forward norms its spec does not use"));
+  }
+}
+
+// h [N, hidden] bf16, updated in place through every layer of `spec`. cos, sin [N, D] bf16 (the rows'
+// positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D] bf16.
+void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns) {
+  const WeightIndex ix = weight_index(spec.names);
+  check_rows(h, spec, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache);
   const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
-  const int64_t qs = heads * d, kvs = kv_heads * d, layer_stride = nslots * kv_heads * lmax * d;
+  const int64_t heads = spec.heads, kv_heads = spec.kv_heads, qs = heads * d, kvs = kv_heads * d;
+  const int64_t layer_stride = nslots * kv_heads * lmax * d;
+  const bool offset = spec.unit_offset_norms, sandwich = spec.sandwich_norms;
   at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* pp = ps.data_ptr<int64_t>();
@@ -146,16 +152,15 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
   const at::Tensor lengths = ps + 1;
   at::Tensor q = at::empty({n, heads, d}, h.options());
   for (int64_t li = 0; li < k_cache.size(0); ++li) {
-    const at::Tensor* W = &weights[li * ix.per_layer];
-    const int64_t window = windows[li];
+    const at::Tensor* W = &spec.weights[li * ix.per_layer];
+    const int64_t window = spec.windows[li];
     at::Tensor x, qkv, attn, y, gu, act, qn, kn;
-    { Phase p{0}; x = rmsnorm(h, W[ix.ln1], eps, gemma); }
+    { Phase p{0}; x = rmsnorm(h, W[ix.ln1], spec.eps, offset); }
     { Phase p{1}; qkv = linear(x, W[ix.qkv], qs + 2 * kvs, maybe(W[ix.qkv_bias]), false); }
-    const bool qk_norm = W[ix.q_norm].numel() > 0;  // Gemma 3 and Qwen3: q and k normed per head before RoPE
-    if (qk_norm) {
+    if (spec.qk_norm) {
       Phase p{0};
-      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[ix.q_norm], eps, gemma);
-      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[ix.k_norm], eps, gemma);
+      qn = rmsnorm(qkv.slice(1, 0, qs).contiguous().view({n * heads, d}), W[ix.q_norm], spec.eps, offset);
+      kn = rmsnorm(qkv.slice(1, qs, qs + kvs).contiguous().view({n * kv_heads, d}), W[ix.k_norm], spec.eps, offset);
     }
     {
       Phase p{2};
@@ -163,23 +168,23 @@ void decoder_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const s
                           (window ? sin_local : sin).data_ptr<bf16>(), k_cache.data_ptr<bf16>() + li * layer_stride,
                           v_cache.data_ptr<bf16>() + li * layer_stride, lmax};
       const bf16* qkvp = qkv.data_ptr<bf16>();
-      if (qk_norm) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
+      if (spec.qk_norm) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
       else rotate_and_cache(qkv, qkvp, qs + 2 * kvs, qkvp + qs, qs + 2 * kvs, c, heads, kv_heads, d, q);
     }
-    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, scale, window); }
+    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, spec.scale, window); }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[ix.o], h.size(1), maybe(W[ix.o_bias]), false); }
-    if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], eps, true); }
+    if (sandwich) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], spec.eps, offset); }
     { Phase p{4}; add_into(h, y); }
-    { Phase p{0}; x = rmsnorm(h, gemma ? W[ix.pre_ffn] : W[ix.ln2], eps, gemma); }
-    if (experts[li] && experts[li]->size()) {  // a mixture of experts (moe.cpp)
+    { Phase p{0}; x = rmsnorm(h, sandwich ? W[ix.pre_ffn] : W[ix.ln2], spec.eps, offset); }
+    if (spec.experts[li] && spec.experts[li]->size()) {  // a mixture of experts (moe.cpp)
       Phase p{1};
-      y = moe_block(x, W[ix.router], *experts[li]);
+      y = moe_block(x, W[ix.router], *spec.experts[li]);
     } else {
-      { Phase p{1}; gu = linear(x, W[ix.gate_up], 2 * intermediate, c10::nullopt, false); }
-      { Phase p{4}; act = gemma ? gelu_tanh_mul(gu) : silu_mul(gu); }
+      { Phase p{1}; gu = linear(x, W[ix.gate_up], 2 * spec.intermediate, c10::nullopt, false); }
+      { Phase p{4}; act = spec.gelu_tanh ? gelu_tanh_mul(gu) : silu_mul(gu); }
       { Phase p{1}; y = linear(act, W[ix.down], h.size(1), c10::nullopt, false); }
     }
-    if (gemma) { Phase p{0}; y = rmsnorm(y, W[ix.post_ffn], eps, true); }
+    if (sandwich) { Phase p{0}; y = rmsnorm(y, W[ix.post_ffn], spec.eps, offset); }
     { Phase p{4}; add_into(h, y); }
   }
 }

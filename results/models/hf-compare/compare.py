@@ -16,8 +16,8 @@ import torch
 import transformers as tf
 
 from margingate.models import build_model
+from margingate.models.decoder import AttentionPlan
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

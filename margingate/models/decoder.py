@@ -1,4 +1,9 @@
-"""Llama-family forward (Llama, Mistral, Qwen2) over rows of (slot, position, token).
+"""The decoder forward, for every architecture, over rows of (slot, position, token).
+
+One layer, read from the architecture's `LayerSpec` (`kernels/layer_spec.py`, per architecture in
+`architectures.py`): norm, q/k/v, (q/k norms), RoPE, attention, output, residual, norm, MLP or mixture of
+experts, residual, with the switches the spec names (Gemma's (1 + w) norms and sandwich norms, GELU-tanh,
+the scaled embedding). The compiled stack (`csrc/stack.cpp`) reads the same spec, and is bitwise this path.
 
 The model knows nothing of requests: a forward gets N rows and an attention plan
 saying which rows attend exactly (over their own cached prefix) and which attend as
@@ -16,17 +21,19 @@ The weights come from an explicit name map (`weights.py`).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..kernels import invariant as invariant_kernels
 from ..kernels import layers, rotary
+from ..kernels import stack as compiled_stack
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
 from . import moe, rope_scaling
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .weights import LayerWeights, ModelWeights, build
 
-__all__ = ["AttentionPlan", "LlamaModel", "resolve_kernels"]
+__all__ = ["AttentionPlan", "DecoderModel", "resolve_kernels"]
 KERNELS = ("auto", "compiled", "triton")
 
 
@@ -47,15 +54,14 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
     return kernels
 
 
-class LlamaModel:
-    unit_offset_norms = False  # Gemma's RMSNorms scale by 1 + weight (gemma3.py)
-
+class DecoderModel:
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
                  kernels: str = "auto"):
         """`state`: tensors by Hugging Face name (`loader.load_state_dict`); checked against the
         architecture's name map, so a missing or stray tensor is refused here by name. `kernels`: the
         invariant kernels' backend (`resolve_kernels`): `compiled` (C++, CPU) or `triton`."""
         self.config = config
+        self.spec = config.layer
         self.device = torch.device(device)
         self.kernels = resolve_kernels(kernels, self.device)
         source = getattr(state, "source", "the given state dict")
@@ -70,7 +76,7 @@ class LlamaModel:
         self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
                               if any(config.layer_windows) else None)
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
-        self._stack_weights: list[torch.Tensor] | None = None
+        self._stack_spec = None  # invariant.stack_spec, built on the first compiled forward
 
     @property
     def triton(self) -> bool:
@@ -115,10 +121,13 @@ class LlamaModel:
                 h = self._layer(li, L, h, ops, ropes[li], rows, positions, slots, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
-        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.unit_offset_norms)
+        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
-        return layers.embed(tokens, W.embed, dtype)
+        h = layers.embed(tokens, W.embed, dtype)
+        if self.spec.embed_scale:  # one rounded product per element, the factor rounded to the dtype first
+            return h * torch.tensor(math.sqrt(self.config.hidden_size), dtype=dtype)
+        return h
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, tuple]:
         """cos/sin [N, 1, D] for these positions: the full-attention layers' and the sliding layers'."""
@@ -137,32 +146,43 @@ class LlamaModel:
 
     def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
-        if self._stack_weights is None:  # flattened once, in the kernel's order
-            self._stack_weights = invariant_kernels.stack_weights(W.layers)
-        cfg = self.config
-        (cos, sin), (cos_local, sin_local) = self._rope_tables(positions, torch.bfloat16)
-        return invariant_kernels.decoder_stack(
-            h, self._stack_weights, cos[:, 0], sin[:, 0], kv.k, kv.v, rows.slots, positions, rows.aligns,
-            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_eps, cfg.attention_scale,
-            [cfg.window(i) for i in range(cfg.num_layers)], (cos_local[:, 0], sin_local[:, 0]),
-            self.unit_offset_norms, [L.expert_set or invariant_kernels.dense_set() for L in W.layers])
+        if self._stack_spec is None:  # the layer, shape and weights handed to the compiled stack once
+            cfg = self.config
+            self._stack_spec = compiled_stack.stack_spec(
+                self.spec, W.layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                intermediate=cfg.intermediate_size, eps=cfg.rms_eps, scale=cfg.attention_scale,
+                windows=[cfg.window(i) for i in range(cfg.num_layers)])
+        full, local = self._rope_tables(positions, torch.bfloat16)
+        return compiled_stack.decoder_stack(h, self._stack_spec, full, local, kv.k, kv.v, rows.slots, positions,
+                                               rows.aligns)
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,
                slots: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
-        """One decoder layer: attention then MLP, each a residual branch after its RMSNorm."""
-        cfg, n = self.config, h.shape[0]
+        """One decoder layer: attention then MLP, each a residual branch after its RMSNorm (and, with
+        sandwich norms, normed again before its add)."""
+        cfg, spec, n = self.config, self.spec, h.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        x = ops.rmsnorm(h, L.input_layernorm, cfg.rms_eps)
-        q, k, v = ops.linear(x, L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return ops.rmsnorm(x, weight, cfg.rms_eps, spec.unit_offset_norms)
+
+        q, k, v = ops.linear(norm(h, L.input_layernorm), L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
         q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        if L.q_norm is not None:  # Qwen3: q and k RMS-normed per head before RoPE
-            q, k = ops.rmsnorm(q, L.q_norm, cfg.rms_eps), ops.rmsnorm(k, L.k_norm, cfg.rms_eps)
+        if spec.qk_norm:  # per head, before RoPE
+            q, k = norm(q, L.q_norm), norm(k, L.k_norm)
         q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
         kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale)
-        h = h + ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
-        x = ops.rmsnorm(h, L.post_attention_layernorm, cfg.rms_eps)
+        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale, cfg.window(li))
+        y = ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
+        if spec.sandwich_norms:
+            h = h + norm(y, L.post_attention_layernorm)
+            x = norm(h, L.pre_feedforward_layernorm)
+        else:
+            h = h + y
+            x = norm(h, L.post_attention_layernorm)
         if L.experts:
-            return h + moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
-        return h + ops.mlp(x, L.gate_up, L.down_proj)
+            y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
+        else:
+            y = ops.mlp(x, L.gate_up, L.down_proj, gelu=spec.activation == "gelu_tanh")
+        return h + (norm(y, L.post_feedforward_layernorm) if spec.sandwich_norms else y)
