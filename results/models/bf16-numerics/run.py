@@ -1,5 +1,5 @@
 """Our bf16 forward against transformers' fp32 and bf16 forwards, per architecture, over 1,024 positions
-(the models and the measure of tests/test_bf16_numerics.py). Writes table.json and table.md here.
+(the models and the measure of tests/test_each_architecture.py). Writes table.json and table.md here.
 
     .venv/bin/python results/models/bf16-numerics/run.py
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from tests.test_bf16_numerics import ARCHITECTURES, POSITIONS, _errors  # noqa: E402
+from tests.test_each_architecture import ARCHITECTURES, POSITIONS, _errors  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Our bf16 path as close to the truth as transformers' own bf16, on every architecture.
+"""Every architecture of `models/architectures.py`, each from transformers' own config class: our bf16 path
+as close to the truth as transformers' own bf16, and the compiled stack bitwise the layer-by-layer path.
 
 The path users run holds activations in bf16 (the invariant kernels, the reference policy's forward). An
 fp32-activation comparison cannot see its error, so each architecture here is a small random model built
@@ -77,7 +78,12 @@ def _errors(name: str, tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
     return ours_err, (theirs - truth).abs().mean(-1)
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+# The default tier keeps one of each layer kind (plain, q/k norms, MoE, Gemma's); the slow tier runs the rest.
+DEFAULT_TIER = ("llama", "qwen3", "qwen3-moe", "gemma3")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ARCHITECTURES])
 def test_bf16_is_as_close_to_fp32_as_transformers_bf16(name, tmp_path):
     ours, theirs = _errors(name, tmp_path)
     quarter = POSITIONS // 4
@@ -93,3 +99,22 @@ def test_every_architecture_is_measured_here():
     from margingate.models.architectures import ARCHITECTURES as SUPPORTED
 
     assert {model_cls for _, model_cls, _ in ARCHITECTURES.values()} == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_compiled_stack_equals_the_layer_path(name, tmp_path):
+    """The stack reads the same LayerSpec as the Python layer: logits and every K/V column equal, bitwise, for
+    prompt rows of three requests at mixed positions and a batched decode step."""
+    from test_model_family import _fused_and_layered
+
+    _hf_model(name, tmp_path / name)
+    folder = resolve_model_dir(str(tmp_path / name))
+    model = build_model(load_config(folder), load_state_dict(folder, torch.bfloat16))
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (60,), generator=g)
+    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
+    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
+    decode = torch.randint(0, SHAPE["vocab_size"], (3,), generator=g)
+    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
+    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
+    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
