@@ -185,3 +185,25 @@ def test_hermes_blocks_parse_into_calls():
     content, calls = parse(text, params, "auto")
     assert content == "Sure." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("get_time", {"zone": "UTC"})]
+
+
+def test_a_call_written_as_a_fenced_json_object_is_a_call():
+    """Qwen2.5-Coder's shape in `auto`: the call as a JSON object in a ```json fence (or the whole answer);
+    the text around it stays content, and JSON that is not exactly an offered call stays text, unmarked."""
+    params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME]})
+    fenced = 'I will look it up.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    content, calls = parse(fenced, params, "auto")
+    assert content == "I will look it up."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    _, calls = parse('{"name": "get_time", "parameters": {"zone": "UTC"}}', params, "auto")
+    assert [c["function"]["name"] for c in calls] == ["get_time"]
+    for text in ('```json\n{"name": "launch_rockets", "arguments": {}}\n```',     # not offered
+                 '```json\n{"name": "get_time", "arguments": {}, "why": 1}\n```',  # more than a call
+                 '```python\nprint(1)\n```', '{"zone": "CET"'):
+        assert parse(text, params, "auto") == (text, [])
+    one = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
+                                                "parallel_tool_calls": False})
+    two = fenced + '\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
+    content, calls = parse(two, one, "auto")
+    assert len(calls) == 1 and content.endswith('{"name": "get_time", "arguments": {"zone": "UTC"}}\n```')

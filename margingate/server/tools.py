@@ -16,6 +16,12 @@ sent back as the blocks the model wrote, so an agent loop gives the model back i
 A block that does not parse, names a function that is not offered or exceeds the calls allowed is
 never made a call and never dropped: it stays in `content` after a `[margingate: not a tool call ...]`
 marker.
+
+Small models often write the call in another shape than their template's blocks: a JSON object with the
+call's `name` and `arguments` in a Markdown fence, or as the whole answer (Qwen2.5-Coder does both).
+Where an answer has no block, such an object that names an offered tool and holds nothing but `name` and
+`arguments` is a call too, and the text around it stays content; any other JSON stays text, unmarked
+(it may be code the user asked for).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from .formats import NamedToolChoice
 from .protocol import BadRequest
 
 BLOCK = re.compile(re.escape(tool_format.OPEN) + r"(.*?)(?:" + re.escape(tool_format.CLOSE) + r"|\Z)", re.DOTALL)
+FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.DOTALL)
 
 
 def template_format(chat_template: str | None) -> str | None:
@@ -98,10 +105,40 @@ def _read(body: str, closed: bool, names: set[str]) -> tuple[dict | None, str | 
     return _call(call["name"], arguments), None
 
 
+def _loose_call(body: str, names: set[str]) -> dict | None:
+    """The call a fenced (or bare) JSON object states, or None where it is not exactly a call."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names or set(obj) - {"name", "arguments", "parameters"}:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters"))
+    return _call(obj["name"], arguments) if isinstance(arguments, (dict, str)) else None
+
+
+def _loose_calls(text: str, names: set[str], limit: int) -> tuple[str, list[dict]]:
+    """(content, calls) of an answer without blocks: fenced JSON calls (else the whole answer as one)."""
+    spans = [(m.start(), m.end(), m.group(1)) for m in FENCE.finditer(text)] or [(0, len(text), text)]
+    content, calls, end = [], [], 0
+    for start, stop, body in spans:
+        call = _loose_call(body, names) if len(calls) < limit else None
+        if call is not None:
+            content.append(text[end:start])
+            end = stop
+            calls.append(call)
+    content.append(text[end:])
+    return "".join(content), calls
+
+
 def parse(text: str, params, tool_mode: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer. A block that is no call stays in content after a marker."""
+    """(content, tool_calls) of an answer. A block that is no call stays in content after a marker; an
+    answer without blocks may state its calls as JSON objects (module docstring)."""
     names = {t.function.name for t in offered(params, tool_mode)}
     limit = max_calls(params, tool_mode)
+    if not BLOCK.search(text):
+        content, calls = _loose_calls(text, names, limit)
+        return content.strip() or None, calls
     content, calls, end = [], [], 0
     for m in BLOCK.finditer(text):
         content.append(text[end:m.start()])
