@@ -55,6 +55,8 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
 
 
 class DecoderModel:
+    """A decoder-only transformer of any architecture in `architectures.ARCHITECTURES` (`config.layer`)."""
+
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: str = "cpu",
                  kernels: str = "auto"):
         """`state`: tensors by Hugging Face name (`loader.load_state_dict`); checked against the
@@ -76,7 +78,7 @@ class DecoderModel:
         self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
                               if any(config.layer_windows) else None)
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
-        self._stack_spec = None  # invariant.stack_spec, built on the first compiled forward
+        self._stack_spec = None  # kernels/stack.py's StackSpec, built on the first compiled forward
 
     @property
     def triton(self) -> bool:
