@@ -72,18 +72,29 @@ def build_dir() -> Path:
 def load():
     """The compiled module (built on first call for this code, then imported from the cache)."""
     folder = build_dir()
-    if not (folder / STAMP).exists():
-        with building(folder):
-            if not (folder / STAMP).exists():  # else another process built it while this one waited
-                _build(folder)
+    _ensure_built(folder)
+    try:
+        mod = _import(folder)
+    except (ImportError, OSError) as exc:  # a build whose files were removed or damaged since
+        notice(f"the kernel build in {folder} cannot be loaded ({exc}); building it again")
+        for stale in (folder / STAMP, folder / f"{NAME}.so"):
+            stale.unlink(missing_ok=True)
+        _ensure_built(folder)
+        mod = _import(folder)
     try:
         os.utime(folder / STAMP)  # in use: not pruned
     except OSError:
         pass  # a read-only cache
-    mod = _import(folder)
     if not mod.cpu_supported():
         raise KernelBuildError("margingate's invariant kernels need a CPU with AVX2 and FMA")
     return mod
+
+
+def _ensure_built(folder: Path) -> None:
+    if not (folder / STAMP).exists():
+        with building(folder):
+            if not (folder / STAMP).exists():  # else another process built it while this one waited
+                _build(folder)
 
 
 def _build(folder: Path) -> None:
