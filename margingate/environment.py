@@ -39,6 +39,9 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "kernels_int8_path": invariant.int8_proof()["path"] if contract == "int8" else None,
             # --quantize: the matrices' values are the quantized ones even where they are then held as bf16
             "quantize": llm.quantize,
+            # how long the model took to start, and whether its packed matrices were mapped from the cache
+            # ("hit"), packed at this start ("miss") or not cached at all (None: bf16 weights, Triton)
+            "load_seconds": round(llm.load_seconds, 3), "weights_cache": llm.weights_cache,
             "python": platform.python_version(), "packages": package_versions()}
 
 

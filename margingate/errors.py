@@ -1,5 +1,5 @@
-"""The errors that any layer may raise and the command line reports as one line, not a traceback:
-imported by everything, importing nothing."""
+"""The errors that any layer may raise and the command line reports as one line, not a traceback, and
+`notice`, a line on stderr that is not an error: imported by everything, importing nothing."""
 from __future__ import annotations
 
 
@@ -14,3 +14,11 @@ class OptionError(ValueError):
 
 class KernelBuildError(RuntimeError):
     """The invariant kernels could not be built or cannot run on this CPU."""
+
+
+def notice(line: str) -> None:
+    """One line on stderr for what a user waits on or should know, outside any report (a kernel build,
+    a cache file rebuilt): stdout stays the command's output."""
+    import sys
+
+    print(f"margingate: {line}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """The facade: load a model, build an engine, turn prompts into results."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ class LLM:
                  max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
                  kernels: str = "auto", weights: str = "auto", quantize: str | None = None):
+        started = time.perf_counter()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         check_weights(weights, quantize)
@@ -73,7 +75,10 @@ class LLM:
         self.quantize = quantize  # recorded: a folder quantized at load has other bits than the folder
         self.config = load_config(self.folder)
         self.tokenizer = Tokenizer(self.folder)
-        self.model = build_model(self.config, self._state(model, weights, quantize), device, kernels)
+        state = self._state(model, weights, quantize)
+        self.model = build_model(self.config, state, device, kernels)
+        # where the packed matrices came from: the cache ("hit"), packed now ("miss"), or no cache (None)
+        self.weights_cache = state.packed_cache.outcome if getattr(state, "packed_cache", None) else None
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
@@ -83,6 +88,7 @@ class LLM:
         self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
             self.engine.draft = self._load_draft(draft_model, max_batch_size)
+        self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):
         """The model's tensors. weights "auto": a GGUF's quantized matrices stay quantized, under the

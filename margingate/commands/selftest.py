@@ -3,7 +3,8 @@
 It prints the CPU (model and the flags that pick a linear path) and torch; each linear path with its
 load-time proof (csrc/linear_proof.cpp: a fixed set of small products against the contract's order,
 bit for bit) and the one in use; and the token digest of a fixed short run of the model under
-`reference`. The README lists the digests seen and the CPU kinds they were seen on: the same digest
+`reference`; and how long the model took to start (its packed weights mapped from the cache or not).
+The README lists the digests seen and the CPU kinds they were seen on: the same digest
 on another machine means the same tokens. Exit status 1 when a path this CPU has was refused.
 """
 from __future__ import annotations
@@ -89,7 +90,13 @@ def format_report(r: dict) -> str:
     contract = d.get("quantized_contract")
     lines.append(f"weights  {stored}  ({'all bf16' if contract is None else contract + ' contract'}: "
                  "the digest differs between --weights auto (int8) and exact or bf16, which share one)")
+    load = r["load"]
+    lines.append(f"load     {load['seconds']:.2f} s ({CACHE_WORDS[load['weights_cache']]})")
     return "\n".join(lines)
+
+
+CACHE_WORDS = {"hit": "packed weights mapped from the cache", "miss": "weights packed now, cached for the next start",
+               None: "no packed-weights cache for these weights"}
 
 
 def cmd_selftest(args) -> int:
@@ -97,6 +104,7 @@ def cmd_selftest(args) -> int:
 
     linear = proofs()
     llm = cli_args.llm(args, len(PROMPTS))
-    report = {"machine": machine(), "kernels_version": VERSION, "linear": linear, "reference": reference_digest(llm)}
+    report = {"machine": machine(), "kernels_version": VERSION, "linear": linear, "reference": reference_digest(llm),
+              "load": {"seconds": round(llm.load_seconds, 3), "weights_cache": llm.weights_cache}}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if any(p["status"] == "refused" for p in [*linear["paths"], *linear["int8"]]) else 0

@@ -9,6 +9,7 @@ per compiler, and is cached beside the build.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -21,16 +22,21 @@ UNITS = {"amx": ("linear_amx.cpp", "MG_BUILT_AMX"), "avx512bf16": ("linear_avx51
 
 
 def compiler_version(cxx: str = "c++") -> str:
+    """`cxx --version`'s text: the compiler's identity in cache keys."""
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+        if not out:
+            raise IndexError("it printed no version")
+        return out
     except (OSError, subprocess.CalledProcessError, IndexError) as exc:
         raise RuntimeError(f"no C++ compiler ({cxx}): {exc}") from exc
 
 
 def buildable(csrc: Path, cflags: list[str], cache: Path, cxx: str = "c++") -> dict[str, bool]:
-    """{path: whether `cxx` compiles its unit}, cached in `cache` per compiler version and sources."""
+    """{path: whether `cxx` compiles its unit}, cached in `cache` per compiler version, flags and sources."""
     key = {"compiler": compiler_version(cxx), "flags": cflags,
-           "sources": {name: (csrc / unit).stat().st_mtime_ns for name, (unit, _) in UNITS.items()}}
+           "sources": {name: hashlib.sha256((csrc / unit).read_bytes()).hexdigest()
+                       for name, (unit, _) in UNITS.items()}}
     try:
         saved = json.loads(cache.read_text())
         if saved.get("key") == key:

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 PANEL, BLOCK = 16, 32  # csrc/contract.h: kPanel, kBlock
+# The version of the packed layouts (`pack`'s panels and quant_pack's matrices): bump it when either changes,
+# so that the cache of packed models (models/packed_cache.py) never hands old bytes to new kernels.
+LAYOUT_VERSION = 1
 
 
 @dataclass(frozen=True)

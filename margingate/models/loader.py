@@ -25,6 +25,7 @@ from . import gguf_import
 from .architectures import ARCHITECTURES
 from .config import ModelConfig
 from .named import NAMED, ModelNotFoundError, gguf_files
+from .packed_cache import PackedCache
 from .safetensors_file import mmap_safetensors
 from .weights import WeightsError
 
@@ -164,11 +165,13 @@ def load_config(folder: Path) -> ModelConfig:
 class Checkpoint(dict):
     """Tensors by their Hugging Face names, and the folder they came from (named in loading errors).
     contract: how the model keeps its quantized matrices (`weights.build`): "int8" (the integer-exact
-    contract), "exact" (their bf16 values' bits), or None (dequantized to bf16)."""
+    contract), "exact" (their bf16 values' bits), or None (dequantized to bf16). packed_cache: a GGUF's
+    matrices as an earlier load packed them (packed_cache.py)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: str, contract: str | None = "int8"):
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str, contract: str | None = "int8",
+                 packed_cache: PackedCache | None = None):
         super().__init__(tensors)
-        self.source, self.contract = source, contract
+        self.source, self.contract, self.packed_cache = source, contract, packed_cache
 
 
 def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: list[Path] | None = None,
@@ -177,11 +180,13 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: lis
     decided by the name map (`models/weights.py`) when the model is built. Tensors already in
     `dtype` are memory-mapped views of their files, not copies: the model's packed weights are
     the only copy in memory (an 8B model loads within 24 GB). `gguf`: read the tensors from these
-    GGUF parts instead, their quantized matrices kept quantized (gguf_import.load_quantized)."""
+    GGUF parts instead, their quantized matrices kept quantized (gguf_import.load_quantized), packed once
+    and then mapped from the cache (packed_cache.py)."""
     if gguf is not None:
         check_fits(sum(p.stat().st_size for p in gguf), f"the weights of {gguf[0]}")
         config = json.loads((folder / "config.json").read_text())
-        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]), contract=contract)
+        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]), contract=contract,
+                          packed_cache=PackedCache.for_gguf(gguf, contract, cache_root()))
     files = sorted(folder.glob("*.safetensors"))
     check_fits(sum(f.stat().st_size for f in files) * dtype.itemsize // 2, f"the weights of {folder}")
     state = Checkpoint({}, source=str(folder))

@@ -26,13 +26,7 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file as views of a private (copy-on-write) memory map: pages
     are read from the file when touched and stay reclaimable page cache."""
     with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
-        if not 2 <= length <= min(MAX_HEADER, size - 8):
-            raise WeightsError(f"{path} ({size:,} bytes) is not a safetensors file: its header length "
-                               f"field says {length:,} bytes")
-        header = _parse(f.read(length), path)
+        size, length, header = _header(f, path)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     base, out = 8 + length, {}
     for name, meta in header.items():
@@ -43,6 +37,26 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
             if end > start else torch.empty(0, dtype=dtype)
         out[name] = flat.view(shape)
     return out
+
+
+def read_metadata(path: Path) -> dict:
+    """The file's `__metadata__` ({} if none)."""
+    with open(path, "rb") as f:
+        meta = _header(f, path)[2].get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise WeightsError(f"{path}: the safetensors __metadata__ is not a JSON object")
+    return meta
+
+
+def _header(f, path: Path) -> tuple[int, int, dict]:
+    """The open file's size, its header's length and the header, checked against the size."""
+    size = f.seek(0, 2)
+    f.seek(0)
+    length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+    if not 2 <= length <= min(MAX_HEADER, size - 8):
+        raise WeightsError(f"{path} ({size:,} bytes) is not a safetensors file: its header length "
+                           f"field says {length:,} bytes")
+    return size, length, _parse(f.read(length), path)
 
 
 def _parse(raw: bytes, path: Path) -> dict:

@@ -211,15 +211,24 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     """Check `state` against the map, then fuse it into bf16 tensors on `device`, every matrix packed
     (for our C++ kernels; `packed=False`: plain, for the Triton kernels) as soon as it is fused, so
     that memory holds one layer's plain copy at most (the library kernels' plain copy:
-    `ModelWeights.to`)."""
+    `ModelWeights.to`). A state from a GGUF carries its `packed_cache` (packed_cache.py): each matrix packed
+    by an earlier load is mapped from the cache instead of packed again."""
     pack_ = pack if packed else (lambda t: t)
     names = check(config, state, source)
     # a Checkpoint says how to keep its quantized matrices, or asks for them dequantized (--weights bf16)
     contract = getattr(state, "contract", "int8") if packed and device.type == "cpu" else None
 
+    cache = getattr(state, "packed_cache", None) if contract else None  # the file's matrices packed before
+
+    def keep(key: str, make) -> Matrix:
+        return cache.matrix(key, make) if cache is not None else make()
+
     def get(key: str) -> Matrix | None:
         if key not in names:
             return None
+        return keep(key, lambda: fuse(key)) if _is_matrix(key) else fuse(key)
+
+    def fuse(key: str) -> Matrix:
         parts = [state[n] for n in names[key]]
         if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
             codes = [p.codes() if isinstance(p, BlockSource) else None for p in parts]
@@ -248,9 +257,11 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         **{k: get(f"layers.{i}.{k}") for k in EXTRA_LAYER_MAP}, **experts(i),
     ) for i in range(config.num_layers)]
     lm_head = embed if config.tie_embeddings else get("lm_head")
-    lm_head = lm_head if isinstance(lm_head, QuantWeight) else pack_(lm_head)
+    lm_head = lm_head if isinstance(lm_head, QuantWeight) else keep("lm_head.packed", lambda: pack_(lm_head))
     if config.tie_embeddings:  # a tied model's embedding rows are read from its packed head
         embed = lm_head
+    if cache is not None:
+        cache.save()
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers,
                         experts_per_token=config.experts_per_token)
 

@@ -1,0 +1,199 @@
+"""The packed matrices of a quantized model file, kept in the cache and memory-mapped by later loads.
+
+Building a model from a GGUF repacks each quantized matrix into the kernels' panels (quant_pack) and packs
+the rest (packing.pack): seconds to a minute at every start. The first load writes each matrix as
+`weights.build` made it into one file, `packed/<file>-<contract>-<key>.safetensors` in the cache; later loads
+map that file and repack nothing. The map is private (copy-on-write, never written): its pages are the
+page cache's, so every process that loads the model shares one copy in memory.
+
+The key: the GGUF parts' fingerprint (per part its size, its mtime, and a hash of its first MiB, which holds
+the header and metadata, and of SAMPLES pieces of 64 KiB spread over it, the last one its end), the contract
+(its layout differs), packing.LAYOUT_VERSION, and a hash of the modules that make the bytes (SOURCES), so
+that no code change can reuse bytes an older one made. A file rewritten in place with its size and mtime
+kept and changed only between the samples would go unseen: that takes setting its mtime back on purpose.
+
+A write goes to a temporary file renamed into place, so a killed process never leaves half a file. A file
+that does not parse, is not for this key, lacks a matrix or holds one that is not what its entry says is
+named on stderr and rebuilt. Its bytes are not hashed at load: that would read the whole file at each start.
+The file is safetensors with every tensor 64-byte aligned, and its `__metadata__` holds the key and each
+matrix's kind and shape.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import notice
+from ..kernels import packing, quant_pack
+from ..kernels.packing import LAYOUT_VERSION, PackedWeight
+from ..kernels.quant_pack import QuantWeight
+from . import gguf_import, gguf_quant, weights
+from .safetensors_file import DTYPES, read_metadata
+from .weights import WeightsError
+
+SAMPLES, SAMPLE_BYTES, HEAD_BYTES, ALIGN = 16, 1 << 16, 1 << 20, 64
+MIN_BYTES = 32 << 20  # a smaller file packs in well under a second: not worth a file in the cache
+PRUNE_AFTER_DAYS = 30
+SOURCES = (packing, quant_pack, gguf_quant, gguf_import, weights)  # what decides the packed bytes
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+Packed = PackedWeight | QuantWeight
+
+
+def fingerprint(parts: list[Path]) -> str:
+    """The GGUF parts' fingerprint (module docstring): reads about 2 MiB of each."""
+    h = hashlib.sha256()
+    for p in parts:
+        st = p.stat()
+        h.update(f"{st.st_size} {st.st_mtime_ns}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(HEAD_BYTES))
+            for i in range(SAMPLES):  # from the start to the very end
+                f.seek(max(st.st_size - SAMPLE_BYTES, 0) * i // (SAMPLES - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def cache_key(parts: list[Path], contract: str) -> str:
+    h = hashlib.sha256(f"{fingerprint(parts)} {contract} {LAYOUT_VERSION}\0".encode())
+    for module in SOURCES:
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+class PackedCache:
+    """The packed matrices of one model file under one contract: those found in the cache file, and those
+    made by this load (`matrix`), which `save` writes when any were made."""
+
+    def __init__(self, path: Path, key: str, sources: list[Path]):
+        self.path, self.key, self.sources = path, key, [str(p.resolve()) for p in sources]
+        self.found = self._open()
+        self.made: dict[str, Packed] = {}
+
+    @classmethod
+    def for_gguf(cls, parts: list[Path], contract: str, root: Path) -> PackedCache | None:
+        """The cache of these GGUF parts under `contract`, in the cache folder `root`; None for a file
+        under MIN_BYTES."""
+        if sum(p.stat().st_size for p in parts) < MIN_BYTES:
+            return None
+        key = cache_key(parts, contract)
+        return cls(root / "packed" / f"{parts[0].stem}-{contract}-{key}.safetensors", key, parts)
+
+    @property
+    def outcome(self) -> str:
+        """"hit": every packed matrix came from the file; "miss": this load packed some (and wrote the file)."""
+        return "hit" if self.found and not self.made else "miss"
+
+    def matrix(self, name: str, make):
+        """Our matrix `name` ("layers.3.qkv", "lm_head.packed"): from the file, else `make()`, kept for `save`
+        when it is packed (a plain bf16 matrix, an untied embedding, is the file's own tensor)."""
+        if name in self.found:
+            return self.found[name]
+        made = make()
+        if isinstance(made, (PackedWeight, QuantWeight)):
+            self.made[name] = made
+        return made
+
+    def save(self) -> None:
+        """Write the file (what was found and what was made), if this load made anything: atomically, and
+        a failure (a full disk, a read-only cache) said on stderr, never raised: the model is loaded."""
+        if not self.made:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            prune(self.path.parent)
+            _write(tmp, {**self.found, **self.made}, {"key": self.key, "sources": json.dumps(self.sources)})
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            notice(f"could not keep the packed weights in {self.path} ({exc}); the next load packs them again")
+
+    def _open(self) -> dict[str, Packed]:
+        if not self.path.exists():
+            return {}
+        try:
+            found = _read(self.path, self.key)
+        except (WeightsError, ValueError, KeyError, TypeError) as exc:
+            notice(f"the packed-weights cache file {self.path} is not usable ({exc}); packing the weights again")
+            return {}
+        try:
+            os.utime(self.path)  # in use: not pruned
+        except OSError:
+            pass  # a read-only cache
+        return found
+
+
+def _write(path: Path, matrices: dict[str, Packed], metadata: dict[str, str]) -> None:
+    tensors = {name: m.data for name, m in matrices.items()}
+    entries, at = {}, 0
+    for name, t in tensors.items():
+        at = -(-at // ALIGN) * ALIGN
+        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [at, at + t.numel() * t.element_size()]}
+        at = entries[name]["data_offsets"][1]
+    kinds = {name: _describe(m) for name, m in matrices.items()}
+    header = json.dumps({"__metadata__": {**metadata, "matrices": json.dumps(kinds)}, **entries}).encode()
+    header += b" " * (-(8 + len(header)) % ALIGN)  # the data starts aligned
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for name, t in tensors.items():
+            f.write(b"\0" * (entries[name]["data_offsets"][0] - (f.tell() - 8 - len(header))))
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the cache file
+
+
+def _describe(m: Packed) -> dict:
+    if isinstance(m, QuantWeight):
+        return {"kind": "quant", "n": m.n, "k": m.k, "formats": list(m.formats), "contract": m.contract}
+    return {"kind": "packed", "n": m.n, "k": m.k}
+
+
+def _read(path: Path, key: str) -> dict[str, Packed]:
+    from .safetensors_file import mmap_safetensors
+
+    meta = read_metadata(path)
+    if meta.get("key") != key:
+        raise ValueError(f"it was written for key {meta.get('key')!r}, not {key!r}")
+    tensors, out = mmap_safetensors(path), {}
+    for name, kind in json.loads(meta["matrices"]).items():
+        data = tensors[name]
+        if kind["kind"] == "quant":
+            m = QuantWeight(data, kind["n"], kind["k"], tuple(kind["formats"]), kind["contract"])
+            head = data[:32].view(torch.int64).tolist() if data.dtype == torch.uint8 and data.numel() >= 32 else []
+            magic = quant_pack.MAGIC if m.contract == "exact" else quant_pack.MAGIC_INT8
+            if head[:3] != [magic, m.n, m.k]:
+                raise ValueError(f"{name}'s header is not a {m.contract} matrix of {m.n} x {m.k}")
+        else:
+            m = PackedWeight(data, kind["n"], kind["k"])
+            want = [-(-m.n // packing.PANEL), -(-m.k // packing.BLOCK) * packing.BLOCK // 2, packing.PANEL, 2]
+            if data.dtype != torch.bfloat16 or list(data.shape) != want:
+                raise ValueError(f"{name} has shape {list(data.shape)}; a packed {m.n} x {m.k} matrix has {want}")
+        out[name] = m
+    return out
+
+
+def prune(folder: Path, days: float = PRUNE_AFTER_DAYS) -> None:
+    """Remove the files no load has used for `days` or whose GGUF is gone from where it was packed from (a
+    test's temporary copy), and the temporary files of writes that were killed (a live write renames its
+    own within minutes)."""
+    now = time.time()
+    for f in [*folder.glob("*.safetensors"), *folder.glob(".*.tmp")]:
+        try:
+            if now - f.stat().st_mtime > (3600 if f.name.endswith(".tmp") else days * 86400) or \
+                    f.suffix == ".safetensors" and not _sources_exist(f):
+                f.unlink()
+        except OSError:
+            pass
+
+
+def _sources_exist(f: Path) -> bool:
+    try:
+        return any(Path(p).exists() for p in json.loads(read_metadata(f)["sources"]))
+    except (WeightsError, ValueError, KeyError, TypeError):
+        return False  # not a file this module wrote whole
