@@ -30,13 +30,13 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             "machine": platform.machine(), "cpu": cpu_info("model name") or platform.processor() or "unknown",
             "cpu_isa": [f for f in ISA_FLAGS if f in (cpu_info("flags") or "").split()],
             "cpu_count": os.cpu_count(), "kernels_version": KERNELS_VERSION, "kernels": llm.model.kernels,
-            "kernels_linear_path": invariant.linear_path() if llm.model.kernels == "compiled" else "triton",
+            "kernels_linear_path": invariant.path_in_use("bf16") if llm.model.kernels == "compiled" else "triton",
             # paths this CPU has that failed their load-time proof (csrc/linear_proof.cpp): {path: why}
-            "kernels_linear_refused": invariant.refused_paths() if llm.model.kernels == "compiled" else {},
+            "kernels_linear_refused": invariant.refused_paths("bf16") if llm.model.kernels == "compiled" else {},
             "weights": weight_formats(llm.model.own_weights),  # each matrix group's storage: bf16 or its GGUF types
             # how kept-quantized matrices compute: "int8" (csrc/contract.h, 5), "exact" (their bf16 bits), None
             "quantized_contract": contract,
-            "kernels_int8_path": invariant.int8_proof()["path"] if contract == "int8" else None,
+            "kernels_int8_path": invariant.path_in_use("int8") if contract == "int8" else None,
             # --quantize: the matrices' values are the quantized ones even where they are then held as bf16
             "quantize": llm.quantize,
             # how long the model took to start, and whether its packed matrices were mapped from the cache

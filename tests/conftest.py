@@ -81,14 +81,14 @@ def references(llm, prompts):
     return References(llm, prompts)
 
 
-@pytest.fixture(params=K.INT8_PATHS)
+@pytest.fixture(params=K.PATHS["int8"])
 def int8_path(request):
     """Each int8 path in turn (MARGINGATE_FORCE_INT8's switch); a path this CPU lacks skips, naming it."""
-    status = {p["path"]: p for p in K.int8_proofs()}[request.param]
+    status = {p["path"]: p for p in K.proofs("int8")}[request.param]
     if status["status"] != "passed":
         pytest.skip(f"{request.param} is {status['status']} here {status['detail']}: it runs on a CPU that has it "
                     "(an Intel Xeon with AMX runs all three paths)")
-    before = K.int8_proof()["path"]
-    K.use_int8_path(request.param)
+    before = K.path_in_use("int8")
+    K.use_path(request.param)
     yield request.param
-    K.use_int8_path(before)
+    K.use_path(before)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from margingate.kernels.choice import KernelChoice
 from margingate.models import build_model
 from margingate.models.architectures import GEMMA3_LAYER
 from margingate.models.decoder import AttentionPlan
@@ -40,11 +41,12 @@ def gemma(tmp_path_factory):
     return hf, build_model(load_config(folder), load_state_dict(folder)), folder
 
 
-def _run(model, tokens, plan=None, kv=None, start=0, slot=0, dtype=torch.float32, invariant=True):
+def _run(model, tokens, plan=None, kv=None, start=0, slot=0, dtype=torch.float32,
+         kernel_choice=KernelChoice.INVARIANT):
     cfg, n = model.config, tokens.shape[0]
     kv = kv or KVCache(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     logits = model.forward(tokens, torch.arange(start, start + n), torch.full((n,), slot), plan or
-                           AttentionPlan.all_exact(n), kv, dtype=dtype, invariant=invariant)
+                           AttentionPlan.all_exact(n), kv, dtype=dtype, kernel_choice=kernel_choice)
     return logits, kv
 
 
@@ -56,13 +58,13 @@ def test_config_reads_gemma3(gemma):
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.attention_scale) == (1000.0, 10000.0, 24 ** -0.5)
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["invariant-kernels", "library-kernels"])
-def test_gemma3_matches_transformers(gemma, invariant):
+@pytest.mark.parametrize("kernel_choice", list(KernelChoice), ids=["invariant-kernels", "library-kernels"])
+def test_gemma3_matches_transformers(gemma, kernel_choice):
     """fp32 activations over bf16 weights, through either kernel set: a 20-token prompt (past the
     8-key window) and one decode row (exact and batched attention) match transformers' fp32 logits."""
     hf, ours, _ = gemma
     tokens = torch.randint(0, SHAPE["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
-    logits, kv = _run(ours, tokens, invariant=invariant)
+    logits, kv = _run(ours, tokens, kernel_choice=kernel_choice)
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     assert (logits - expected).abs().max() < 1e-4
@@ -70,7 +72,7 @@ def test_gemma3_matches_transformers(gemma, invariant):
     with torch.no_grad():
         want = hf(torch.cat([tokens, nxt])[None]).logits[0, -1].float()
     for plan in (AttentionPlan(exact=[0]), AttentionPlan(batched=[0])):
-        row, _ = _run(ours, nxt, plan, kv, start=20, invariant=invariant)
+        row, _ = _run(ours, nxt, plan, kv, start=20, kernel_choice=kernel_choice)
         assert (row[0] - want).abs().max() < 1e-4
 
 

@@ -164,17 +164,17 @@ def test_the_int8_paths_are_proven_at_load_and_a_faulty_one_is_refused():
     refused by name and the next one runs; with every path faulted the linear stops, naming each."""
     import subprocess
 
-    proofs = K.int8_proofs()
-    assert [p["path"] for p in proofs] == list(K.INT8_PATHS)
+    proofs = K.proofs("int8")
+    assert [p["path"] for p in proofs] == list(K.PATHS["int8"])
     passed = [p["path"] for p in proofs if p["status"] == "passed"]
     assert "int8-avx2" in passed and all(p["status"] in ("passed", "cpu lacks it") for p in proofs), proofs
-    assert K.int8_proof() == {"path": passed[0], "status": "passed", "detail": ""}
+    assert K.path_in_use("int8") == passed[0] and proofs[K.PATHS["int8"].index(passed[0])]["detail"] == ""
     code = ("import torch, sys; sys.path.insert(0, 'tests'); from margingate.kernels import invariant as K; "
             "from margingate.kernels.quant_pack import quant_weight; from test_quantized import random_tensor; "
             "from margingate.models.gguf_quant import quant_codes; "
-            "print(*[p['path'] + '=' + p['status'] for p in K.int8_proofs()]); "
+            "print(*[p['path'] + '=' + p['status'] for p in K.proofs('int8')]); "
             "w = quant_weight([quant_codes(random_tensor('Q4_0', 16, 64), 'Q4_0')], 'int8'); "
-            "K.linear(torch.ones(1, 64, dtype=torch.bfloat16), w); print('in use', K.int8_proof()['path'])")
+            "K.linear(torch.ones(1, 64, dtype=torch.bfloat16), w); print('in use', K.path_in_use('int8'))")
 
     def run(fault: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -182,7 +182,7 @@ def test_the_int8_paths_are_proven_at_load_and_a_faulty_one_is_refused():
                               cwd=__file__.rsplit("/", 2)[0])
 
     one = run(passed[0])
-    assert f"{passed[0]}=refused" in one.stdout, one.stdout + one.stderr
+    assert f"{passed[0]}=failed" in one.stdout, one.stdout + one.stderr
     if len(passed) > 1:
         assert one.returncode == 0 and f"in use {passed[1]}" in one.stdout, one.stdout + one.stderr
     every = run(",".join(passed))

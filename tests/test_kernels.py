@@ -58,9 +58,9 @@ PATH_SKIPS = {
 @pytest.fixture(params=list(PATH_SKIPS), ids=lambda p: f"path-{p}")
 def path(request):
     """Each linear path in turn; one the CPU lacks skips, saying why."""
-    if request.param not in K.linear_paths():
+    if request.param not in K.usable_paths("bf16"):
         pytest.skip(PATH_SKIPS[request.param])
-    before = K.linear_path()
+    before = K.path_in_use("bf16")
     K.use_path(request.param)
     yield request.param
     K.use_path(before)
@@ -199,9 +199,9 @@ def test_no_blocking_choice_changes_a_bit(path, n, k, threads):
 def test_the_paths_agree_on_the_model_shapes(llm):
     """Every path this CPU has, against each other, on SmolLM2's own packed layer and head at 1-64 rows."""
     L = llm.model.own_weights.layers[0]
-    before, outs = K.linear_path(), {}
+    before, outs = K.path_in_use("bf16"), {}
     try:
-        for name in K.linear_paths():
+        for name in K.usable_paths("bf16"):
             K.use_path(name)
             outs[name] = [K.linear(randn(m, w.k, seed=m), w) for w in (L.qkv, L.gate_up, L.down_proj,
                                                                          llm.model.own_weights.lm_head)
@@ -226,7 +226,7 @@ def test_forcing_a_path_the_cpu_lacks_is_an_error():
     """MARGINGATE_FORCE_ISA: an unknown path, or one this CPU cannot run, is refused by name."""
     with pytest.raises(K.IsaError, match="'avx1' does not exist"):
         K.use_path("avx1")
-    missing = [p for p in K.ISA_PATHS if p not in K.linear_paths()]
+    missing = [p for p in K.PATHS["bf16"] if p not in K.usable_paths("bf16")]
     if not missing:
         pytest.skip("this CPU runs every path")
     with pytest.raises(K.IsaError, match=f"'{missing[0]}' cannot run on this CPU"):

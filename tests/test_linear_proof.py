@@ -25,19 +25,45 @@ from margingate.kernels import isa_units
 
 def test_every_path_this_cpu_runs_passes_its_proof():
     """Each path this CPU has and the compiler built is proven and passes; the others say why not."""
-    proofs = {p["path"]: p for p in K.linear_proofs()}
-    assert list(proofs) == list(K.ISA_PATHS)
+    proofs = {p["path"]: p for p in K.proofs("bf16")}
+    assert list(proofs) == list(K.PATHS["bf16"])
     for path, p in proofs.items():
-        if path in K.linear_paths():
+        if path in K.usable_paths("bf16"):
             assert p["status"] == "passed" and p["detail"] == "", p
         else:
             assert p["status"] in ("cpu lacks it", "not built"), p
-    assert K.linear_path() == K.linear_paths()[0] and K.refused_paths() == {}
+    assert K.path_in_use("bf16") == K.usable_paths("bf16")[0] and K.refused_paths("bf16") == {}
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **env})
+
+
+def test_one_table_holds_both_families_and_python_mirrors_it():
+    """csrc/linear_paths.cpp's one table: the bf16 and the int8 paths, each family fastest first, in the order
+    of PATHS (what must name them before the kernels are built), each with one of the report's statuses."""
+    rows = K.ops().path_proofs()
+    assert [(f, p) for f, p, _, _ in rows] == [(f, p) for f, names in K.PATHS.items() for p in names]
+    assert {st for _, _, st, _ in rows} <= {"passed", "failed", "not built", "cpu lacks it"}
+
+
+def test_a_failed_proof_reads_failed_in_the_one_report():
+    """One bit flipped in the proof of a bf16 path and of an int8 path (a fresh process): the one report says
+    "failed" for both, with the first difference, each is refused with a warning, and forcing it is an error."""
+    bf16, int8 = K.usable_paths("bf16")[-1], K.usable_paths("int8")[-1]
+    code = ("import json; from margingate.kernels import invariant as K; print(json.dumps(K.ops().path_proofs()))\n"
+            f"try:\n    K.use_path({int8!r})\nexcept K.IsaError as e:\n    print(e)")
+    done = _run(code, MARGINGATE_PROOF_FAULT=f"{bf16},{int8}")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    rows = {p: (st, d) for _, p, st, d in json.loads(out[0])}
+    assert rows[bf16][0] == "failed" and "outputs differ" in rows[bf16][1], rows[bf16]
+    assert rows[int8][0] == "failed" and rows[int8][1].startswith("int8, "), rows[int8]
+    assert [p for p, (st, _) in rows.items() if st == "failed"] == [bf16, int8]
+    assert f"the linear path '{bf16}' was refused" in done.stderr
+    assert f"the int8 linear path '{int8}' was refused" in done.stderr
+    assert f"the int8 linear path '{int8}' was refused at load: its proof failed (int8, " in out[1]
 
 
 REPORT = """
@@ -55,7 +81,7 @@ print(json.dumps({"path": env["kernels_linear_path"], "refused": env["kernels_li
 def test_a_path_that_fails_its_proof_is_refused_named_and_skipped(llm):
     """The fastest path fails its proof: a warning names it, the next path runs the same tokens,
     and the environment record (every report, /health) names the refusal and why."""
-    fastest, *rest = K.linear_paths()
+    fastest, *rest = K.usable_paths("bf16")
     if not rest:
         pytest.skip("this CPU runs one linear path only: none to fall back to")
     done = _run(REPORT, MARGINGATE_PROOF_FAULT=fastest)
@@ -66,7 +92,7 @@ def test_a_path_that_fails_its_proof_is_refused_named_and_skipped(llm):
     assert "outputs differ" in got["refused"][fastest]
     prompts = [builtin_prompts()[0], builtin_prompts()[20]]
     here = llm.generate(prompts, max_new_tokens=24, policy=llm.policy("reference"))
-    assert K.linear_path() == fastest
+    assert K.path_in_use("bf16") == fastest
     assert got["tokens"] == [c.token_ids for c in here]  # the next path: the same order, the same tokens
 
 
@@ -81,7 +107,7 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
     """`margingate selftest`: the CPU, each path's proof and the one in use, the reference digest (the
     one this process computes); exit status 1 when a path this CPU has was refused."""
     cli = [sys.executable, "-m", "margingate.cli", "selftest", "--json"]
-    if len(K.linear_paths()) > 1:  # refuse the avx2 path: another bf16 path runs the int8 model's digest
+    if len(K.usable_paths("bf16")) > 1:  # refuse the avx2 path: another bf16 path runs the int8 model's digest
         fault, digest = "avx2", selftest.reference_digest(llm)["digest"]
     else:  # avx2 is this CPU's only bf16 path: refuse the int8 path, and the digest is exact's
         from margingate.llm import LLM
@@ -92,8 +118,8 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
     assert bad.returncode == 1, bad.stderr
     report = json.loads(bad.stdout)
     statuses = {p["path"]: p["status"] for p in [*report["linear"]["paths"], *report["linear"]["int8"]]}
-    assert statuses[fault] == "refused" and list(statuses.values()).count("refused") == 1
-    assert report["linear"]["in_use"] == K.linear_path()
+    assert statuses[fault] == "failed" and list(statuses.values()).count("failed") == 1
+    assert report["linear"]["in_use"] == K.path_in_use("bf16")
     assert report["reference"]["digest"] == digest
 
 

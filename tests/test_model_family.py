@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from margingate.kernels.choice import KernelChoice
 from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
@@ -52,9 +53,9 @@ def _hf_model(kind: str, tmp_path):
     return model, tmp_path / kind
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["invariant-kernels", "library-kernels"])
+@pytest.mark.parametrize("kernel_choice", list(KernelChoice), ids=["invariant-kernels", "library-kernels"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "llama-bias", "qwen3"])
-def test_family_matches_transformers(kind, invariant, tmp_path):
+def test_family_matches_transformers(kind, kernel_choice, tmp_path):
     """fp32 activations over bf16 weights, through either kernel set: a 20-token prompt and one
     decode row (exact and batched attention) match transformers' fp32 logits within 1e-4."""
     hf, folder = _hf_model(kind, tmp_path)
@@ -65,14 +66,14 @@ def test_family_matches_transformers(kind, invariant, tmp_path):
     tokens = torch.randint(0, SHAPE["vocab_size"], (20,))
     kv = KVCache(config.num_layers, 2, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     logits = ours.forward(tokens, torch.arange(20), torch.zeros(20, dtype=torch.long), AttentionPlan.all_exact(20),
-                          kv, dtype=torch.float32, invariant=invariant)
+                          kv, dtype=torch.float32, kernel_choice=kernel_choice)
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     assert (logits - expected).abs().max() < 1e-4
     nxt = torch.tensor([int(expected[-1].argmax())])
     for plan in (AttentionPlan(exact=[0]), AttentionPlan(batched=[0])):
         row = ours.forward(nxt, torch.tensor([20]), torch.zeros(1, dtype=torch.long), plan, kv, dtype=torch.float32,
-                           invariant=invariant)
+                           kernel_choice=kernel_choice)
         with torch.no_grad():
             want = hf(torch.cat([tokens, nxt])[None]).logits[0, -1].float()
         assert (row[0] - want).abs().max() < 1e-4

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from margingate.kernels import layers
+from margingate.kernels.choice import KernelChoice
 from margingate.models import moe
 from margingate.models.config import ModelConfig
 from margingate.models.decoder import AttentionPlan, DecoderModel
@@ -42,9 +43,9 @@ def _hf_folder(kind: str, tmp_path):
     return model, resolve_model_dir(str(tmp_path / kind))
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["invariant-kernels", "library-kernels"])
+@pytest.mark.parametrize("kernel_choice", list(KernelChoice), ids=["invariant-kernels", "library-kernels"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_moe_matches_transformers(kind, invariant, tmp_path):
+def test_moe_matches_transformers(kind, kernel_choice, tmp_path):
     hf, folder = _hf_folder(kind, tmp_path)
     config = load_config(folder)
     assert config.num_experts == 4 and config.experts_per_token == 2
@@ -53,7 +54,7 @@ def test_moe_matches_transformers(kind, invariant, tmp_path):
     tokens = torch.randint(0, SHAPE["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))
     kv = KVCache(config.num_layers, 1, 32, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
     logits = ours.forward(tokens, torch.arange(24), torch.zeros(24, dtype=torch.long), AttentionPlan.all_exact(24),
-                          kv, dtype=torch.float32, invariant=invariant)
+                          kv, dtype=torch.float32, kernel_choice=kernel_choice)
     with torch.no_grad():
         want = hf(tokens[None]).logits[0].float()
     assert (logits - want).abs().max() < 1e-4

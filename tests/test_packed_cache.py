@@ -16,8 +16,8 @@ from test_gguf_import import _source_model, _write_gguf
 from margingate.kernels.packing import PackedWeight
 from margingate.kernels.quant_pack import QuantWeight
 from margingate.models import gguf_import, loader, packed_cache, weights
+from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.kv_cache import KVCache
-from margingate.models.llama import AttentionPlan, LlamaModel
 
 gguf = pytest.importorskip("gguf")
 
@@ -47,11 +47,11 @@ def _state(file, contract: str):
     return loader.load_state_dict(folder, gguf=[path], contract=contract)
 
 
-def _load(file, contract: str) -> LlamaModel:
-    return LlamaModel(loader.load_config(file[1]), _state(file, contract))
+def _load(file, contract: str) -> DecoderModel:
+    return DecoderModel(loader.load_config(file[1]), _state(file, contract))
 
 
-def _logits(model: LlamaModel) -> torch.Tensor:
+def _logits(model: DecoderModel) -> torch.Tensor:
     c = model.config
     tokens = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
     kv = KVCache(c.num_layers, 1, 64, c.num_kv_heads, c.head_dim, torch.bfloat16, "cpu")
@@ -59,7 +59,7 @@ def _logits(model: LlamaModel) -> torch.Tensor:
     return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
 
 
-def _matrices(model: LlamaModel) -> list:
+def _matrices(model: DecoderModel) -> list:
     W = model.own_weights
     return [m for L in W.layers for m in L.matrices()] + [W.lm_head, W.embed]
 

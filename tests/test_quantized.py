@@ -76,10 +76,10 @@ def test_the_linear_over_quantized_panels_equals_the_bf16_linear_on_every_path(m
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
     bias = torch.randn(100, generator=g)
-    assert not [p for p in K.linear_proofs() if p["status"] == "refused"]  # a refused path would drop out below
-    before = K.linear_path()
+    assert not [p for p in K.proofs("bf16") if p["status"] == "failed"]  # a refused path would drop out below
+    before = K.path_in_use("bf16")
     try:
-        for path in K.linear_paths():
+        for path in K.usable_paths("bf16"):
             K.use_path(path)
             for b in (None, bias):
                 assert same_bits(K.linear(x, w, b), K.linear(x, dense, b)), (path, b is None)

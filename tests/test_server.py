@@ -33,9 +33,9 @@ def test_models_and_health(client, http):
     assert h.status_code == 200 and h.json()["status"] == "ok"
     from margingate.kernels import invariant
     # the linear path in use and the refused ones (none here: tests/test_linear_proof.py makes one refuse)
-    assert h.json()["linear_path"] == invariant.linear_path() and h.json()["linear_refused"] == {}
-    assert h.json()["quantized_contract"] == "int8" and h.json()["int8_path"] == invariant.int8_proof()["path"]
-    assert h.json()["int8_path"] in invariant.INT8_PATHS
+    assert h.json()["linear_path"] == invariant.path_in_use("bf16") and h.json()["linear_refused"] == {}
+    assert h.json()["quantized_contract"] == "int8" and h.json()["int8_path"] == invariant.path_in_use("int8")
+    assert h.json()["int8_path"] in invariant.PATHS["int8"]
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert http.get("/v1/models/nope").status_code == 404
 

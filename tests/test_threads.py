@@ -18,10 +18,10 @@ from prompt_sets import SPREAD8 as PICKS
 
 from margingate.engine import Request
 from margingate.engine.engine import Engine, EngineConfig
-from margingate.kernels.invariant import ISA_PATHS, linear_paths
+from margingate.kernels.invariant import PATHS, usable_paths
 from margingate.options import SamplingParams
 
-DEFAULT_PATH = linear_paths()[0]
+DEFAULT_PATH = usable_paths("bf16")[0]
 
 POLICIES = ("reference", "batch-invariant", "margin", "verify-all", "dvr")
 NEW_TOKENS = 32
@@ -84,11 +84,11 @@ def test_same_logprobs_at_any_thread_count(llm, prompts, threads, scored):
         assert [t.logprob for t in r.logprobs] == want, f"logprobs of request {k} ({policy}) at {threads} threads"
 
 
-@pytest.mark.parametrize("isa", [p for p in ISA_PATHS if p != DEFAULT_PATH])
+@pytest.mark.parametrize("isa", [p for p in PATHS["bf16"] if p != DEFAULT_PATH])
 def test_same_tokens_on_every_linear_path(isa, alone, scored):
     """The other linear paths, forced: the same tokens as the default path's. A path this CPU lacks skips."""
-    if isa not in linear_paths():
-        pytest.skip(f"this CPU cannot run the {isa} path (it runs {', '.join(linear_paths())})")
+    if isa not in usable_paths("bf16"):
+        pytest.skip(f"this CPU cannot run the {isa} path (it runs {', '.join(usable_paths('bf16'))})")
     run = decode_in_fresh_process(os.cpu_count() or 1, isa)
     for k, (got, want) in enumerate(zip(run["tokens"], alone)):
         assert got == want, f"request {k} ({POLICIES[k % len(POLICIES)]}) on the {isa} path"

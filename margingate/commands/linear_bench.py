@@ -59,7 +59,7 @@ def measure(shapes: dict, rows: list[int], paths: list[str], budget: float) -> l
     from ..kernels import invariant
     from ..kernels.packing import pack
 
-    before, out = invariant.linear_path(), []
+    before, out = invariant.path_in_use("bf16"), []
     gen = torch.Generator().manual_seed(0)
     steps = tqdm(total=len(shapes) * len(rows), desc="bench-linear", unit="shape")
     try:
@@ -145,7 +145,7 @@ def cmd_bench_linear(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    have = invariant.linear_paths()
+    have = invariant.usable_paths("bf16")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()] or have
     missing = [p for p in paths if p not in have]
     if missing:

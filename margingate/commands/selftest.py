@@ -42,13 +42,14 @@ def proofs() -> dict:
 
     invariant.ops()
     t = time.perf_counter()
-    paths = invariant.linear_proofs()
-    int8 = invariant.int8_proofs()
+    paths = invariant.proofs("bf16")
+    int8 = invariant.proofs("int8")
     try:
-        int8_in_use = invariant.int8_proof()["path"]
+        int8_in_use = invariant.path_in_use("int8")
     except RuntimeError:  # every int8 path refused: the statuses say why
         int8_in_use = None
-    return {"paths": paths, "proof_ms": round((time.perf_counter() - t) * 1e3, 1), "in_use": invariant.linear_path(),
+    return {"paths": paths, "proof_ms": round((time.perf_counter() - t) * 1e3, 1),
+            "in_use": invariant.path_in_use("bf16"),
             "int8": int8, "int8_in_use": int8_in_use}
 
 
@@ -67,7 +68,7 @@ def path_lines(paths: list[dict], in_use: str | None) -> list[str]:
     for path in paths:
         mark = "  <- in use" if path["path"] == in_use else ""
         detail = f": {path['detail']}" if path["detail"] else ""
-        status = path["status"].upper() if path["status"] == "refused" else path["status"]
+        status = path["status"].upper() if path["status"] == "failed" else path["status"]
         lines.append(f"  {path['path']:<15} {status}{detail}{mark}")
     return lines
 
@@ -107,4 +108,4 @@ def cmd_selftest(args) -> int:
     report = {"machine": machine(), "kernels_version": VERSION, "linear": linear, "reference": reference_digest(llm),
               "load": {"seconds": round(llm.load_seconds, 3), "weights_cache": llm.weights_cache}}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 1 if any(p["status"] == "refused" for p in [*linear["paths"], *linear["int8"]]) else 0
+    return 1 if any(p["status"] == "failed" for p in [*linear["paths"], *linear["int8"]]) else 0

@@ -105,6 +105,7 @@ def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: in
     import torch  # with the runner: only when the command runs, not on the import of the CLI (--help)
 
     from ..engine.runner import Span
+    from ..kernels.choice import KernelChoice
 
     engine = llm.engine
     seqs = []
@@ -120,12 +121,12 @@ def pass_cost(llm, batch_sizes: list[int], max_k: int, repeats: int, context: in
         for b in batch_sizes:
             base = None
             for k in tqdm(range(max_k + 1), desc=f"pass cost B={b}", leave=False):
-                spans = [Span(s, context - 1, context + k, exact_attention=True, invariant_kernels=True,
+                spans = [Span(s, context - 1, context + k, exact_attention=True, kernel_choice=KernelChoice.INVARIANT,
                               logits_rows=k + 1) for s in seqs[:b]]
                 times = []
                 for _ in range(repeats + 1):
                     t = time.perf_counter()
-                    engine.runner.forward(spans, torch.bfloat16, True)
+                    engine.runner.forward(spans, torch.bfloat16, KernelChoice.INVARIANT)
                     times.append(time.perf_counter() - t)
                 med = statistics.median(times[1:])
                 base = base or med

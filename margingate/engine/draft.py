@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.choice import KernelChoice
 from ..models.decoder import DecoderModel
 from ..models.kv_cache import KVCache
 from ..options.speculative import SpeculativeError
@@ -68,8 +69,8 @@ class DraftProposer(Proposer):
 
     def _forward(self, mirror: Sequence, start: int) -> torch.Tensor:
         """The row of the last token, fed with those from `start` on."""
-        span = Span(mirror, start, mirror.next_pos, exact_attention=True, invariant_kernels=True)
-        return self.draft.runner.forward([span], torch.bfloat16, True)[0]
+        span = Span(mirror, start, mirror.next_pos, exact_attention=True, kernel_choice=KernelChoice.INVARIANT)
+        return self.draft.runner.forward([span], torch.bfloat16, KernelChoice.INVARIANT)[0]
 
     def close(self) -> None:
         self.draft.kv.release(self.slot)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.choice import KernelChoice
 from ..options.policy import PolicySpec, Promise
 from .sampling import RowChoices
 from .sequence import Sequence
@@ -59,8 +60,10 @@ class Policy:
     #: decode rows attend over exactly their own prefix (else: as one padded batch, whose
     #: reduction order depends on the batch)
     exact_attention = False
-    #: decode rows through PyTorch's library kernels (else: our compiled ones, faster here)
-    library_kernels = False
+    #: its decode rows' kernels: LIBRARY, PyTorch's; INVARIANT, ours for every row that attends exactly,
+    #: and for a batched row (whose bits depend on the batch anyway) the faster set of the device: ours
+    #: on CPU, the library's on CUDA (`DecoderModel.invariant_is_fastest`)
+    kernel_choice = KernelChoice.INVARIANT
     #: compute dtype of this request's decode forward (LayerCast: fp32 over bf16 weights)
     compute_dtype = torch.bfloat16
     #: its requests may speculate (`speculative.py`): drafts are accepted row by row through `commit`

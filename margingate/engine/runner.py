@@ -4,8 +4,8 @@ A forward is a list of spans: consecutive positions of one request fed in one go
 (a prompt chunk, one decode position, a verifier window: `verifier.py` builds those).
 Each span's rows attend over exactly their own prefix (the invariant kernel) unless they
 are a decode row whose policy takes the batched fast path, and the forward runs our
-compiled invariant Linear/norm kernels unless every span asks for the library's (prompt
-chunks and verifier windows never do).
+invariant Linear/norm kernels unless every span's `KernelChoice` is the library's (prompt
+chunks and verifier windows never are).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.choice import KernelChoice
 from ..models.decoder import AttentionPlan, DecoderModel
 from ..models.kv_cache import KVCache
 from .sequence import Sequence
@@ -26,7 +27,7 @@ class Span:
     start: int
     end: int
     exact_attention: bool         # attend over exactly its own prefix (else: the padded batched call)
-    invariant_kernels: bool       # needs the invariant Linear/norm kernels
+    kernel_choice: KernelChoice   # the Linear/norm kernels its rows need
     logits_rows: int = 1
     # proposals fed after the sequence's own tokens (speculation): the span's last len(drafts) positions,
     # which are not the sequence's until accepted
@@ -50,7 +51,7 @@ class Runner:
         their own forward."""
         # Prompts always go through the invariant kernels: a prompt's K/V is then the same
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
-        spans = [Span(s, a, b, exact_attention=True, invariant_kernels=True,
+        spans = [Span(s, a, b, exact_attention=True, kernel_choice=KernelChoice.INVARIANT,
                       logits_rows=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
                  for s, a, b in prefills]
         spans += [self._decode_span(s) for s in decodes]
@@ -59,7 +60,7 @@ class Runner:
         for dtype in dict.fromkeys(dtypes):
             idx = [i for i, d in enumerate(dtypes) if d == dtype]
             part = [spans[i] for i in idx]
-            for i, logits in zip(idx, self.forward(part, dtype, any(s.invariant_kernels for s in part))):
+            for i, logits in zip(idx, self.forward(part, dtype, shared_choice(part))):
                 out[i] = logits
         return out
 
@@ -69,11 +70,13 @@ class Runner:
         faster kernel set here: ours on CPU, the library's on CUDA (`DecoderModel.invariant_is_fastest`)."""
         drafts = tuple(seq.drafts)
         exact = seq.policy.exact_attention or bool(drafts)
+        ours = seq.policy.kernel_choice is KernelChoice.INVARIANT and (exact or self.model.invariant_is_fastest)
         return Span(seq, seq.last_fed_pos, seq.next_pos + len(drafts), exact_attention=exact,
-                    invariant_kernels=not seq.policy.library_kernels and (exact or self.model.invariant_is_fastest),
+                    kernel_choice=KernelChoice.INVARIANT if ours else KernelChoice.LIBRARY,
                     logits_rows=len(drafts) + 1, drafts=drafts)
 
-    def forward(self, spans: list[Span], dtype: torch.dtype, invariant: bool) -> list[torch.Tensor | None]:
+    def forward(self, spans: list[Span], dtype: torch.dtype,
+                kernel_choice: KernelChoice) -> list[torch.Tensor | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
         tokens, positions, slots, exact, batched, wanted = [], [], [], [], [], []
         for span in spans:
@@ -90,7 +93,7 @@ class Runner:
         dev = self.device
         logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                     torch.tensor(slots, device=dev), AttentionPlan(exact, batched), self.kv,
-                                    dtype=dtype, invariant=invariant,
+                                    dtype=dtype, kernel_choice=kernel_choice,
                                     logits_rows=torch.tensor(wanted, dtype=torch.long, device=dev))
         # sampling, logprobs and margins read logits on the CPU (csrc/logits.cpp's fixed orders): the same
         # bits from the same logits whatever device computed them
@@ -100,3 +103,10 @@ class Runner:
             out.append(logits[at:at + span.logits_rows] if span.logits_rows else None)
             at += span.logits_rows
         return out
+
+
+def shared_choice(spans: list[Span]) -> KernelChoice:
+    """The kernels of one forward over these spans: the invariant ones if any span needs them."""
+    if any(s.kernel_choice is KernelChoice.INVARIANT for s in spans):
+        return KernelChoice.INVARIANT
+    return KernelChoice.LIBRARY

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.choice import KernelChoice
 from .policy import VerifyJob
 from .runner import Runner, Span
 from .sampling import RowChoices, choose
@@ -39,7 +40,8 @@ class Verifier:
             chunks = [idx] if pad_to is None else [idx[k:k + group] for k in range(0, len(idx), group)]
             for chunk in chunks:
                 spans = self._pass([jobs[i] for i in chunk], pad_to, group)
-                logits = [x for x, s in zip(self.runner.forward(spans, dtype, True), spans) if s.seq is not None]
+                rows = self.runner.forward(spans, dtype, KernelChoice.INVARIANT)
+                logits = [x for x, s in zip(rows, spans) if s.seq is not None]
                 for i, x in zip(chunk, logits):
                     results[i] = x
         return results
@@ -48,7 +50,7 @@ class Verifier:
         """The spans of one pass: each job's positions, padded to the fixed shape if it has one."""
         spans = []
         for j in jobs:
-            spans.append(Span(j.seq, j.start, j.end + 1, exact_attention=True, invariant_kernels=True,
+            spans.append(Span(j.seq, j.start, j.end + 1, exact_attention=True, kernel_choice=KernelChoice.INVARIANT,
                               logits_rows=j.rows))
             if pad_to is not None:
                 spans.append(self._padding(pad_to - j.rows))
@@ -58,4 +60,4 @@ class Verifier:
 
     def _padding(self, n: int) -> Span:
         """Dummy rows (on the runner's scratch slot): they only make the pass's shape fixed."""
-        return Span(None, 0, n, exact_attention=True, invariant_kernels=True, logits_rows=0)
+        return Span(None, 0, n, exact_attention=True, kernel_choice=KernelChoice.INVARIANT, logits_rows=0)

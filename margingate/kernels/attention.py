@@ -9,6 +9,7 @@ import torch
 
 from . import invariant, library
 from . import triton as triton_kernels
+from .choice import KernelChoice
 
 
 @dataclass
@@ -44,14 +45,15 @@ class AttentionRows:
 
     With our kernel every row goes in one call: exact rows lay their key chunks from position
     0, batched rows align theirs to the batch's longest row (`aligns`, as a padded batched
-    kernel walks them). With `library_kernels` the batched rows instead share one padded SDPA
+    kernel walks them). With the library's kernels (`KernelChoice.LIBRARY`), or Triton's (no aligned
+    chunks), the batched rows instead share one padded SDPA
     call, and only then are its gather and row split built (and its key mask, once per sliding
     window, on first use)."""
 
     def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor,
-                 library_kernels: bool = False, triton: bool = False):
+                 kernel_choice: KernelChoice = KernelChoice.INVARIANT, triton: bool = False):
         dev = slots.device
-        self.triton = triton  # exact rows through the Triton kernel (no aligned chunks: library_kernels too)
+        self.triton = triton  # exact rows through the Triton kernel
         self.slots, self.lengths = slots, positions + 1
         self.aligns = torch.zeros_like(positions)
         self.exact = self.batched = None
@@ -60,7 +62,7 @@ class AttentionRows:
         lengths = self.lengths[plan.batched]
         lmax = int(lengths.max())
         self.aligns[plan.batched] = lmax
-        if not library_kernels:
+        if kernel_choice is KernelChoice.INVARIANT and not triton:  # Triton's attention has no aligned chunks
             return
         if plan.exact:
             idx = torch.tensor(plan.exact, device=dev)

@@ -7,10 +7,11 @@ these kernels gets an error naming what is missing, never a silent fallback to
 library kernels that would break the determinism contract. The orders are stated once, in
 `csrc/contract.h`.
 
-The linear runs on the fastest path the CPU has (AMX tiles, AVX512-BF16 dot products, AVX-512
-or AVX2 FMAs), all in the same order and so to the same bits; `MARGINGATE_FORCE_ISA=amx|
-avx512bf16|avx512|avx2` forces one for audits, and a path the CPU cannot run is an error. Its
-weights are `packing.PackedWeight`s.
+The linear runs on the fastest path the CPU has that passed its load-time proof: for the bf16
+contract AMX tiles, AVX512-BF16 dot products, AVX-512 or AVX2 FMAs, all in the same order and so to
+the same bits; for the int8 contract (quantized matrices) AMX-INT8, AVX-512 VNNI or AVX2.
+`MARGINGATE_FORCE_ISA=amx|avx512bf16|avx512|avx2` and `MARGINGATE_FORCE_INT8=int8-amx|...` force one
+for audits, and a path the CPU cannot run is an error. Its weights are `packing.PackedWeight`s.
 """
 from __future__ import annotations
 
@@ -24,64 +25,70 @@ from .extension import build_dir, load
 from .packing import PackedWeight
 from .quant_pack import QuantWeight
 
-FORCE_ISA = "MARGINGATE_FORCE_ISA"
-ISA_PATHS = ("amx", "avx512bf16", "avx512", "avx2")  # the linear's paths, fastest first
-FORCE_INT8 = "MARGINGATE_FORCE_INT8"
-INT8_PATHS = ("int8-amx", "int8-avx512vnni", "int8-avx2")  # the int8 contract's paths, fastest first
+# The linear's paths by family, fastest first: the bf16 contract's (csrc/contract.h, 1) and the int8
+# contract's (5). csrc/linear_paths.cpp holds the one table; this is its one mirror, for what must name the
+# paths before the kernels are built (tests check that the two agree).
+PATHS = {"bf16": ("amx", "avx512bf16", "avx512", "avx2"), "int8": ("int8-amx", "int8-avx512vnni", "int8-avx2")}
+FORCE = {"bf16": "MARGINGATE_FORCE_ISA", "int8": "MARGINGATE_FORCE_INT8"}  # the audits' switch of each family
+LABEL = {"bf16": "linear", "int8": "int8 linear"}  # as messages name a family's paths
 
 
 class IsaError(KernelBuildError):
-    """MARGINGATE_FORCE_ISA names a path this CPU cannot run, or no path at all."""
+    """MARGINGATE_FORCE_ISA or MARGINGATE_FORCE_INT8 names a path this CPU cannot run, or no path at all."""
 
 
 @functools.cache
 def ops():
     """The compiled module (extension.load), with the linear paths the environment forces."""
     mod = load()
-    forced = os.environ.get(FORCE_ISA, "")
-    if forced:  # `MARGINGATE_FORCE_ISA=avx2 margingate check ...`: audit that every path gives the same bits
-        use_path(forced, mod)
-    forced = os.environ.get(FORCE_INT8, "")
-    if forced:  # `MARGINGATE_FORCE_INT8=int8-avx2 margingate check ...`: the same audit for quantized matrices
-        use_int8_path(forced, mod)
+    for family, variable in FORCE.items():
+        forced = os.environ.get(variable, "")
+        if forced:  # `MARGINGATE_FORCE_ISA=avx2 margingate check ...`: audit that every path gives the same bits
+            use_path(forced, mod, family)
     return mod
 
 
-def use_path(name: str, mod=None) -> None:
-    """Run the linear on path `name` (one of ISA_PATHS) from now on; IsaError naming why if it cannot:
-    no such path, this CPU lacks it, the compiler could not build it, or it failed its load-time proof."""
+def family_of(name: str) -> str | None:
+    return next((family for family, names in PATHS.items() if name in names), None)
+
+
+def use_path(name: str, mod=None, family: str | None = None) -> None:
+    """Run `name`'s family (or `family`, which must hold it) on that path from now on; IsaError naming why
+    if it cannot: no such path, this CPU lacks it, the compiler could not build it, or its proof failed."""
     mod = mod or ops()
-    status = {p["path"]: p for p in linear_proofs(mod)}.get(name)
+    family = family or family_of(name) or "bf16"
+    status = {p["path"]: p for p in proofs(family, mod)}.get(name)
     if status is None or status["status"] != "passed":
         why = ("does not exist" if status is None else
                "cannot run on this CPU" if status["status"] == "cpu lacks it" else
                "is not built: the compiler lacks its target" if status["status"] == "not built" else
-               f"was refused at load: its proof differs from the contract's order ({status['detail']})")
-        raise IsaError(f"{FORCE_ISA}={name}: the linear path {name!r} {why}; "
-                       f"this CPU runs {', '.join(mod.linear_paths())} (paths: {', '.join(ISA_PATHS)})")
-    mod.set_linear_path(name)
+               f"was refused at load: its proof failed ({status['detail']})")
+        raise IsaError(f"{FORCE[family]}={name}: the {LABEL[family]} path {name!r} {why}; this CPU runs "
+                       f"{', '.join(usable_paths(family, mod)) or 'none'} (paths: {', '.join(PATHS[family])})")
+    mod.set_path(name)
 
 
-def linear_proofs(mod=None) -> list[dict]:
-    """Every linear path, fastest first: {path, status, detail}, status one of "passed", "refused" (detail:
-    the first output that differed from the contract's order), "not built", "cpu lacks it". The paths the
-    CPU runs are proven on first asking (a few ms each)."""
-    return [{"path": p, "status": st, "detail": d} for p, st, d in (mod or ops()).linear_proofs()]
+def proofs(family: str, mod=None) -> list[dict]:
+    """Every path of `family` ("bf16" or "int8"), fastest first: {path, status, detail}, status one of
+    "passed", "failed" (detail: the first output that differed from the family's reference; the path is
+    refused), "not built", "cpu lacks it". The paths the CPU runs are proven on first asking (a few ms each)."""
+    return [{"path": p, "status": st, "detail": d} for f, p, st, d in (mod or ops()).path_proofs() if f == family]
 
 
-def refused_paths() -> dict[str, str]:
-    """{path: why} for the paths this CPU runs that failed their load-time proof (reports, /health)."""
-    return {p["path"]: p["detail"] for p in linear_proofs() if p["status"] == "refused"}
+def refused_paths(family: str) -> dict[str, str]:
+    """{path: why} for the paths of `family` this CPU runs whose load-time proof failed (reports, /health)."""
+    return {p["path"]: p["detail"] for p in proofs(family) if p["status"] == "failed"}
 
 
-def linear_path() -> str:
-    """The linear's path, one of ISA_PATHS (fp32 activations take the best FMA path: avx512 or avx2)."""
-    return ops().linear_path()
+def path_in_use(family: str) -> str:
+    """The path `family` runs: for bf16 x (fp32 activations take the best FMA path: avx512 or avx2), or
+    the int8 contract's; a RuntimeError naming every path's status where none passed its proof."""
+    return ops().path_in_use(family)
 
 
-def linear_paths() -> list[str]:
-    """The paths that are built, that this CPU runs and that passed their load-time proof, fastest first."""
-    return list(ops().linear_paths())
+def usable_paths(family: str, mod=None) -> list[str]:
+    """The paths of `family` that are built, that this CPU runs and that passed their proof, fastest first."""
+    return [p["path"] for p in proofs(family, mod) if p["status"] == "passed"]
 
 
 def linear(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,31 +102,6 @@ def linear(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | Non
 def linear_reference(x: torch.Tensor, w: PackedWeight | QuantWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` one scalar FMA at a time, as csrc/contract.h states the order: what every path equals."""
     return ops().linear_reference(x.contiguous(), w.data, w.n, b, x.dtype == torch.float32)
-
-
-def int8_proof() -> dict:
-    """The int8 linear path in use (proven against the scalar reference): {path, status, detail}; a
-    RuntimeError naming every path's status where none passed."""
-    path, status, detail = ops().int8_proof()
-    return {"path": path, "status": status, "detail": detail}
-
-
-def int8_proofs(mod=None) -> list[dict]:
-    """Every int8 linear path, fastest first, as `linear_proofs` reports the bf16 ones."""
-    return [{"path": p, "status": st, "detail": d} for p, st, d in (mod or ops()).int8_proofs()]
-
-
-def use_int8_path(name: str, mod=None) -> None:
-    """Run quantized matrices under the int8 contract on path `name` (one of INT8_PATHS) from now on;
-    IsaError naming why if it cannot."""
-    mod = mod or ops()
-    status = {p["path"]: p for p in int8_proofs(mod)}.get(name)
-    if status is None or status["status"] != "passed":
-        why = "does not exist" if status is None else f"is {status['status']} {status['detail']}".rstrip()
-        usable = [p["path"] for p in int8_proofs(mod) if p["status"] == "passed"]
-        raise IsaError(f"{FORCE_INT8}={name}: the int8 linear path {name!r} {why}; this CPU runs "
-                       f"{', '.join(usable) or 'none'} (paths: {', '.join(INT8_PATHS)})")
-    mod.set_int8_path(name)
 
 
 def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

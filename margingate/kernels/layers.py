@@ -1,7 +1,8 @@
 """The model's layers as numerics, through one of three kernel sets.
 
-A forward picks its set once (`kernel_set`): `INVARIANT` runs every Linear, norm and
-activation through our compiled CPU kernels over bf16 weights packed at load (`packing.py`),
+A forward picks its set once (`kernel_set`: its `KernelChoice` and the model's backend): `INVARIANT`
+runs every Linear, norm and activation through our compiled CPU kernels over bf16 weights packed at
+load (`packing.py`),
 whatever the activations' dtype; `TRITON` through the batch-invariant Triton kernels (CUDA, or
 CPU under Triton's interpreter) over the plain bf16 weights loaded; `LIBRARY` through PyTorch's
 ops, with plain weights in the activations' dtype. The op order of each layer (the MLP, the final
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from . import invariant, library
 from . import triton as triton_kernels
+from .choice import KernelChoice
 from .packing import PackedWeight
 from .quant_pack import QuantWeight
 
@@ -52,9 +54,12 @@ LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul
                     own_weights=False)
 
 
-def kernel_set(use_invariant: bool, triton: bool = False) -> KernelSet:
-    """The invariant set of the model's backend (`triton`: the Triton kernels), or the library's."""
-    return (TRITON if triton else INVARIANT) if use_invariant else LIBRARY
+def kernel_set(kernel_choice: KernelChoice, triton: bool = False) -> KernelSet:
+    """The set `kernel_choice` names: the invariant set of the model's backend (`triton`: the Triton
+    kernels), or the library's."""
+    if kernel_choice is KernelChoice.LIBRARY:
+        return LIBRARY
+    return TRITON if triton else INVARIANT
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | PackedWeight | QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -8,8 +8,8 @@ the scaled embedding). The compiled stack (`csrc/stack.cpp`) reads the same spec
 The model knows nothing of requests: a forward gets N rows and an attention plan
 saying which rows attend exactly (over their own cached prefix) and which attend as
 one padded batch (batch-variant on purpose), writes every row's K/V into the cache,
-and returns the rows' logits. `invariant=True` runs every Linear, norm and activation
-through our compiled kernels (else the library's); then an exact row's K/V and logits
+and returns the rows' logits. `KernelChoice.INVARIANT` runs every Linear, norm and activation
+through our kernels (`LIBRARY`: PyTorch's); then an exact row's K/V and logits
 are a function of its tokens alone. With bf16 activations the whole stack is one
 compiled call (`decoder_stack`), bitwise the layer-by-layer path kept here.
 
@@ -28,6 +28,7 @@ import torch
 from ..kernels import layers, rotary
 from ..kernels import stack as compiled_stack
 from ..kernels.attention import AttentionPlan, AttentionRows, attend
+from ..kernels.choice import KernelChoice
 from . import moe, rope_scaling
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -103,18 +104,17 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 plan: AttentionPlan, kv: KVCache, *, dtype: torch.dtype = torch.bfloat16,
-                invariant: bool = True, logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+                kernel_choice: KernelChoice = KernelChoice.INVARIANT,
+                logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Run N rows through the model; returns fp32 logits of `logits_rows` (default all).
 
-        `invariant`: every Linear, norm and activation through the invariant kernels (bf16
-        weights; `dtype` is the activations'). Otherwise the library's, with weights in `dtype`.
+        `kernel_choice`: INVARIANT, every Linear, norm and activation through the invariant kernels of
+        the backend (bf16 weights; `dtype` is the activations'); LIBRARY, the library's, with weights in `dtype`.
         """
-        ops = layers.kernel_set(invariant, self.triton)
+        ops = layers.kernel_set(kernel_choice, self.triton)
         W = self.own_weights if ops.own_weights else self.weights(dtype)
         h = self._embed(tokens, W, dtype)
-        # the Triton attention has no batch-aligned chunks: batched rows take the library's padded call
-        rows = AttentionRows(plan, slots, positions, library_kernels=ops is layers.LIBRARY or self.triton,
-                             triton=self.triton)
+        rows = AttentionRows(plan, slots, positions, kernel_choice, triton=self.triton)
         if self._fusable(ops, dtype, kv):
             h = self._stack(h, W, kv, positions, rows)
         else:

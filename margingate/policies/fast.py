@@ -9,6 +9,7 @@ the sequences change with the batch).
 call): the engine a user gets without ours, whose GEMMs also pick algorithms by batch shape.
 (Prompts are prefilled like every request's, by the invariant kernels.)"""
 from ..engine.policy import Policy
+from ..kernels.choice import KernelChoice
 
 
 class FastPolicy(Policy):
@@ -18,5 +19,5 @@ class FastPolicy(Policy):
 
 class FastLibraryPolicy(Policy):
     name = "fast-library"
-    library_kernels = True
+    kernel_choice = KernelChoice.LIBRARY
     speculates = True

@@ -8,10 +8,11 @@ the padded batched attention still changes the reduction order.
 import torch
 
 from ..engine.policy import Policy
+from ..kernels.choice import KernelChoice
 
 
 class LayerCastPolicy(Policy):
     name = "layercast"
     compute_dtype = torch.float32
-    library_kernels = True  # Yuan et al.'s fp32 GEMMs, as PyTorch computes them
+    kernel_choice = KernelChoice.LIBRARY  # Yuan et al.'s fp32 GEMMs, as PyTorch computes them
     speculates = True

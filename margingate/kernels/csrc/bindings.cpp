@@ -9,15 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace mg;
   m.def("linear", &linear, "x @ W^T + b, W packed bf16 or quantized, in the contract's order on the current path");
   m.def("linear_reference", &linear_reference, "the same, one scalar step at a time (tests, audits)");
-  m.def("linear_paths", &linear_paths, "the linear paths built, on this CPU and proven, fastest first");
-  m.def("linear_path", &linear_path, "the linear path in use");
-  m.def("set_linear_path", &set_linear_path, "use this linear path (an error where it is not built, the CPU cannot run it or it failed its proof)");
-  m.def("linear_proofs", &linear_proofs, "every linear path: [name, status, detail] (proves those the CPU runs)");
+  m.def("path_proofs", &path_proofs,
+        "every linear path, bf16 and int8: [family, name, status, detail] (proves those the CPU runs)");
+  m.def("path_in_use", &path_in_use, "the path a family (bf16, int8) runs");
+  m.def("set_path", &set_path,
+        "run its family on this path (an error where it is not built, the CPU cannot run it or its proof failed)");
   m.def("dequantize_packed", &dequantize_packed, "a quantized weight dequantized to packed bf16 panels (the reference)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized weight, dequantized to bf16 (embedding lookups)");
-  m.def("int8_proof", &int8_proof_report, "the int8 linear path in use: [name, status, detail]");
-  m.def("int8_proofs", &int8_proofs, "every int8 linear path: [name, status, detail] (proves those the CPU runs)");
-  m.def("set_int8_path", &set_int8_path, "use this int8 linear path (an error where it cannot run or failed its proof)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "x's rows quantized as the int8 contract does: q, scale, sum16");
   py::class_<ExpertSet, std::shared_ptr<ExpertSet>>(m, "ExpertSet", "a mixture-of-experts layer's experts, parsed once")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, bool>())

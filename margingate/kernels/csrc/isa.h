@@ -25,8 +25,11 @@ struct LinearTask {
   int64_t ldacc;
 };
 
-enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx };  // the linear's paths, slowest to fastest
-inline bool reads_bf16(Path p) { return p == Path::kAmx || p == Path::kAvx512Bf16; }  // else fp32 rows
+// Every path of the linear, slowest to fastest within its family: the bf16 contract's (contract.h, 1), then
+// the integer-exact contract's (contract.h, 5). linear_paths.cpp holds their one table.
+enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx, kInt8Avx2, kInt8Vnni, kInt8Amx };
+constexpr int kNumPaths = 7;
+inline bool reads_bf16(Path p) { return p == Path::kAmx || p == Path::kAvx512Bf16; }  // else fp32 rows (bf16 family)
 
 void linear_avx2(const LinearTask& t);    // linear_avx2.cpp
 void linear_avx512(const LinearTask& t);  // linear_avx512.cpp

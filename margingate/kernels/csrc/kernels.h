@@ -26,14 +26,16 @@ at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& packed, int64
 at::Tensor linear_on(Path path, const at::Tensor& x, const at::Tensor& packed, int64_t n,
                      const c10::optional<at::Tensor>& bias, bool fp32_out);  // on this path, unproven
 
-// linear_paths.cpp: the path chosen (built, on this CPU, proven at load) and the report of each
+// linear_paths.cpp: one table of every path, bf16 and int8 (isa.h): the path each family runs (built, on
+// this CPU, proven at load), and one report of every path's proof
 std::string path_name(Path p);
-Path linear_path_for(bool fp32_x);
+Path linear_path_for(bool fp32_x);  // the bf16 family's
 void run_path(Path p, const LinearTask& t);
-std::vector<std::string> linear_paths();  // the paths this CPU can run and that passed their proof, fastest first
-std::string linear_path();                // the one in use for bf16 x
-void set_linear_path(const std::string& name);
-std::vector<std::vector<std::string>> linear_proofs();  // every path: name, status, detail
+// every path, fastest first within its family: [family ("bf16", "int8"), name, status, detail], status
+// "passed", "failed" (detail: the first difference; the path is refused), "not built" or "cpu lacks it"
+std::vector<std::vector<std::string>> path_proofs();
+std::string path_in_use(const std::string& family);  // bf16 (for bf16 x) or int8; an error where none passed
+void set_path(const std::string& name);  // run its family on this path (an error where it cannot)
 
 // linear_proof.cpp: "" when `run` gives the reference's bits on the fixed cases, else the first difference
 using LinearRun = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -57,9 +59,6 @@ at::Tensor dequantize_rows(const at::Tensor& blob, const at::Tensor& index);
 
 // linear_int8.cpp: the integer-exact contract (contract.h, 5) on the best proven path, or the scalar reference
 at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference);
-std::vector<std::string> int8_proof_report();  // the path in use: name, status, detail
-std::vector<std::vector<std::string>> int8_proofs();  // every int8 path: name, status, detail (proves those the CPU runs)
-void set_int8_path(const std::string& name);
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block);  // q, scale, sum16
 // The same linear in halves, for a caller that runs many matrices in one parallel region (moe.cpp): x's
 // rows quantized once for each activation block the matrices use, then panels [p0, p1) of every row.
@@ -75,7 +74,9 @@ struct Int8Input {
 using Int8Kernel = void (*)(const Int8Rows&, const QuantPart&, int64_t, float*, int64_t);
 std::vector<int64_t> int8_blocks(const std::vector<const QuantMatrix*>& ms);  // the blocks their parts use
 Int8Input int8_input(const at::Tensor& x, const std::vector<int64_t>& blocks);
-Int8Kernel int8_kernel(bool reference);  // the proven path in use, or the scalar reference
+Int8Kernel int8_kernel(bool reference);  // linear_paths.cpp: the proven path in use, or the scalar reference
+at::Tensor linear_int8_on(Int8Kernel kernel, const at::Tensor& x, const QuantMatrix& m,
+                          const std::vector<float>& bias);  // with this kernel, unproven
 void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel,
                  at::Tensor& out, int64_t p0, int64_t p1);  // under its own FTZ | DAZ
 // linear_proof.cpp: "" when run gives the int8 scalar reference's bits on the fixed cases, else the first difference

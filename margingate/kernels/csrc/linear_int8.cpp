@@ -1,22 +1,13 @@
 // The integer-exact linear (contract.h, 5): x's rows quantized by the row alone, exact integer sums, one
 // float epilogue per (row, column). Here: the activation quantizer, the scalar reference every path must
-// equal, the threads' split (panels and rows, never k) and the path's load-time proof.
+// equal, and the threads' split (panels and rows, never k). Which path runs: linear_paths.cpp.
 #include <ATen/Parallel.h>
 
 #include <cfloat>
 #include <cmath>
-#include <mutex>
 
 #include "int8_layout.h"
 #include "kernels.h"
-
-// Set by the build (kernels/invariant.py) for each int8 ISA unit the compiler could build.
-#ifndef MG_BUILT_INT8_AMX
-#define MG_BUILT_INT8_AMX 0
-#endif
-#ifndef MG_BUILT_INT8_VNNI
-#define MG_BUILT_INT8_VNNI 0
-#endif
 
 namespace mg {
 namespace {
@@ -79,76 +70,6 @@ Int8Acts quantize(const at::Tensor& x, int64_t kp, int64_t block) {
 
 constexpr int64_t kInt8RowBlock = 64;  // rows whose q stay in L2 while a job's panels pass
 
-at::Tensor run_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel) {
-  const Int8Input in = int8_input(x, int8_blocks({&m}));
-  at::Tensor out = at::empty({x.size(0), m.n}, x.options());
-  const int64_t work = x.size(0) * m.k * m.panels * kPanel;
-  const int64_t grain = work < (int64_t(1) << 18) ? m.panels : std::max<int64_t>(1, m.panels / (8 * at::get_num_threads()));
-  at::parallel_for(0, m.panels, grain, [&](int64_t p0, int64_t p1) { int8_panels(in, m, bias, kernel, out, p0, p1); });
-  return out;
-}
-
-// The int8 paths, fastest first. Each is built where the compiler has its target (isa_units.py), runs
-// where the CPU has it, and is used only once its load-time proof against the scalar reference passed.
-struct Int8Path {
-  const char* name;
-  bool built;
-  bool (*cpu)();
-  Int8Kernel kernel;
-  std::once_flag once;
-  std::string why;  // the proof's first difference; "" when it passed
-};
-
-Int8Path int8_paths[] = {
-#if MG_BUILT_INT8_AMX
-    {"int8-amx", true, []() -> bool { return __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vnni") &&
-                                   amx_granted(); }, &linear_int8_amx, {}, {}},
-#else
-    {"int8-amx", false, []() -> bool { return __builtin_cpu_supports("amx-int8"); }, nullptr, {}, {}},
-#endif
-#if MG_BUILT_INT8_VNNI
-    {"int8-avx512vnni", true, []() -> bool { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); },
-     &linear_int8_vnni, {}, {}},
-#else
-    {"int8-avx512vnni", false, []() -> bool { return __builtin_cpu_supports("avx512vnni"); }, nullptr, {}, {}},
-#endif
-    {"int8-avx2", true, []() -> bool { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
-     &linear_int8_avx2, {}, {}},
-};
-
-const std::string& proof(Int8Path& p) {
-  std::call_once(p.once, [&p] {
-    p.why = prove_int8(p.name, [&p](const at::Tensor& x, const at::Tensor& w, int64_t) {
-      return run_int8(x, quant_matrix(w), {}, p.kernel);
-    });
-    if (!p.why.empty())
-      TORCH_WARN("margingate: the int8 linear path '", p.name, "' was refused: its load-time proof differs from the ",
-                 "scalar reference (", p.why, "); the next path runs instead");
-  });
-  return p.why;
-}
-
-bool usable(Int8Path& p) { return p.built && p.cpu() && proof(p).empty(); }
-
-Int8Path* forced_int8 = nullptr;  // set_int8_path
-
-Int8Path& chosen() {
-  if (forced_int8) return *forced_int8;
-  static Int8Path* best = [] {
-    for (Int8Path& p : int8_paths)
-      if (usable(p)) return &p;
-    return static_cast<Int8Path*>(nullptr);
-  }();
-  if (!best) {
-    std::string all;
-    for (const auto& row : int8_proofs())  // name, status, the refused path's first difference
-      all += (all.empty() ? "" : "; ") + row[0] + ": " + (row[1] == "refused" ? row[2] : row[1]);
-    TORCH_CHECK(false, "margingate: no int8 linear path passed its load-time proof on this CPU (", all,
-                "); load the file with --weights exact or bf16");
-  }
-  return *best;
-}
-
 }  // namespace
 
 // The scalar reference (contract.h, 5b and 5c), one code at a time.
@@ -206,8 +127,6 @@ Int8Input int8_input(const at::Tensor& x, const std::vector<int64_t>& blocks) {
   return in;
 }
 
-Int8Kernel int8_kernel(bool reference) { return reference ? &linear_int8_scalar : chosen().kernel; }
-
 void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<float>& bias, Int8Kernel kernel,
                  at::Tensor& out, int64_t p0, int64_t p1) {
   FlushDenormals ftz;
@@ -226,36 +145,18 @@ void int8_panels(const Int8Input& in, const QuantMatrix& m, const std::vector<fl
   }
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference) {
-  return run_int8(x, m, bias, int8_kernel(reference));
-}
-
-std::vector<std::vector<std::string>> int8_proofs() {
-  std::vector<std::vector<std::string>> out;
-  for (Int8Path& p : int8_paths) {
-    if (!p.built) out.push_back({p.name, "not built", "the compiler lacks its target"});
-    else if (!p.cpu()) out.push_back({p.name, "cpu lacks it", ""});
-    else out.push_back({p.name, proof(p).empty() ? "passed" : "refused", proof(p)});
-  }
+at::Tensor linear_int8_on(Int8Kernel kernel, const at::Tensor& x, const QuantMatrix& m,
+                          const std::vector<float>& bias) {
+  const Int8Input in = int8_input(x, int8_blocks({&m}));
+  at::Tensor out = at::empty({x.size(0), m.n}, x.options());
+  const int64_t work = x.size(0) * m.k * m.panels * kPanel;
+  const int64_t grain = work < (int64_t(1) << 18) ? m.panels : std::max<int64_t>(1, m.panels / (8 * at::get_num_threads()));
+  at::parallel_for(0, m.panels, grain, [&](int64_t p0, int64_t p1) { int8_panels(in, m, bias, kernel, out, p0, p1); });
   return out;
 }
 
-std::vector<std::string> int8_proof_report() {
-  Int8Path& p = chosen();
-  return {p.name, "passed", ""};
-}
-
-// For audits (MARGINGATE_FORCE_INT8) and tests: an error names why a path cannot be used.
-void set_int8_path(const std::string& name) {
-  for (Int8Path& p : int8_paths) {
-    if (name != p.name) continue;
-    TORCH_CHECK(p.built, "the int8 linear path '", name, "' is not built: the compiler lacks its target");
-    TORCH_CHECK(p.cpu(), "the int8 linear path '", name, "' cannot run on this CPU");
-    TORCH_CHECK(proof(p).empty(), "the int8 linear path '", name, "' was refused at load: ", proof(p));
-    forced_int8 = &p;
-    return;
-  }
-  TORCH_CHECK(false, "unknown int8 linear path '", name, "': int8-amx, int8-avx512vnni or int8-avx2");
+at::Tensor linear_int8(const at::Tensor& x, const QuantMatrix& m, const std::vector<float>& bias, bool reference) {
+  return linear_int8_on(int8_kernel(reference), x, m, bias);
 }
 
 std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x, int64_t block) {
