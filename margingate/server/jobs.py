@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +40,23 @@ class Job:
     id: str
     choices: list[Choice]
     tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
+    ignored: list[str] = field(default_factory=list)  # unknown fields of the body: named in the answer's header
+    origin: Any = None             # the body as its own API sent it, where that API is served as chat (responses)
 
     @property
     def echo(self) -> bool:
         return bool(getattr(self.params, "echo", False))
+
+
+@dataclass(frozen=True)
+class Api:
+    """How one HTTP API reads its body into a `Job` and writes the answer: `parse(state, req, kind)`, the whole
+    body `render(state, job, outcomes, prompt_lps)` (None: the completions' shape) and the event stream
+    `stream(state, job, handles)`; `prompt_param` names the field an engine refusal of the prompt blames."""
+    parse: Callable
+    render: Callable | None
+    stream: Callable
+    prompt_param: str | None = None
 
 
 @dataclass
@@ -206,8 +219,10 @@ async def collect(state: ServerState, job: Job, handles: list[Handle]) -> tuple[
     return outcomes, prompt_lps
 
 
-async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest) -> Response:
-    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away."""
+async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest,
+                   render: Callable[..., dict] | None = None) -> Response:
+    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away;
+    `render(state, job, outcomes, prompt_lps)` makes the body (by default the completions' shape)."""
     task = asyncio.ensure_future(collect(state, job, handles))
     gone = asyncio.ensure_future(wait_disconnect(req))
     try:
@@ -224,7 +239,7 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
     except RequestFailed as exc:
         abort_all(state, handles, "aborted")
         return json_error(exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
-    return JSONResponse(completion_body(state, job, outcomes, prompt_lps))
+    return JSONResponse((render or completion_body)(state, job, outcomes, prompt_lps))
 
 
 def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome, prompt_lps: list | None) -> dict:
