@@ -34,7 +34,8 @@ def respond(client, input, **kw):
 
 
 def chat_text(client, messages, **kw):
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, extra_body=BI, **kw)
+    kw.setdefault("max_tokens", 24)
+    r = client.chat.completions.create(model=MODEL, messages=messages, extra_body=BI, **kw)
     return r.choices[0].message
 
 

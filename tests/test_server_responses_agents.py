@@ -51,11 +51,31 @@ def test_an_agent_with_a_function_tool_runs_over_responses(agents):
                             tool_use_behavior="stop_on_first_tool")
     forced = agents.Runner.run_sync(agent(tool_choice="required"), "What is the weather in Paris?", max_turns=2)
     assert asked == ["Paris"] and forced.final_output == "sunny, 21 degrees"
-    assert [type(r).__name__ for r in forced.raw_responses] == ["ModelResponse"]
+    assert [r.response_id[:5] for r in forced.raw_responses] == ["resp_"]  # served by /v1/responses
     typed = agents.Agent(name="colour", instructions="Answer with a colour.", tools=[get_weather], model=MODEL,
                          output_type=Colour, model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI))
     free = agents.Runner.run_sync(typed, "What colour is the sky?", max_turns=2)
     assert isinstance(free.final_output, Colour) and not asked[1:]
+
+
+def test_an_agent_loop_sends_each_call_and_its_output_back(agents):
+    """The default tool_use_behavior: each call's output goes back as openai-agents writes the items
+    (function_call, function_call_output) and the model is asked again. The embedded model, asked again under
+    auto, calls the tool again, turn after turn, so the run ends at max_turns; every turn's request was served."""
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny"
+
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                         model=MODEL,
+                         model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI, tool_choice="required"))
+    with pytest.raises(agents.MaxTurnsExceeded):
+        agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert len(asked) == 3 and asked[0] == "Paris"
 
 
 def test_an_agent_streams_over_responses(agents):
