@@ -7,7 +7,7 @@ from .protocol import error_body
 
 
 class RequestFailed(Exception):
-    """The engine failed a request it had accepted (an ("error", (status, message)) event)."""
+    """The engine failed a request it had accepted (an `error` event: events.py)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)

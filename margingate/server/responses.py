@@ -24,7 +24,8 @@ from fastapi import Request as HTTPRequest
 
 from . import tools
 from .errors import RequestFailed
-from .jobs import Api, Job, Outcome, abort_all, determinism_report, merged, usage
+from .events import Outcome
+from .jobs import Api, Job, abort_all, determinism_report, merged, usage
 from .parsing import build_job, json_object, read_body
 from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
@@ -78,8 +79,7 @@ def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> d
             "metadata": chat.metadata or {}, "system_fingerprint": state.fingerprint}
 
 
-def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], prompt_lps=None,
-                  message_id: str | None = None) -> dict:
+def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], message_id: str | None = None) -> dict:
     """The whole Response of a finished job (its one choice)."""
     choice = job.choices[0]
     o = outcomes[choice.index]
@@ -157,14 +157,11 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
         if live:
             for chunk in opening(event, 0, message):
                 yield chunk
-        async for _, ev in merged(state, job, handles):
-            if ev[0] == "delta":
-                o.text, o.ids = o.text + ev[1], o.ids + ev[2]
-                if live and ev[1]:
-                    yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
-                                delta=ev[1], logprobs=[])
-            elif ev[0] == "final":
-                o.reason, o.result = ev[1], ev[2]
+        async for _, released in merged(state, job, handles):
+            o.take(released)
+            if live and released.kind == "tokens" and released.text:
+                yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
+                            delta=released.text, logprobs=[])
         body = response_body(state, job, {job.choices[0].index: o}, message_id=message["id"])
         for index, item in enumerate(body["output"]):
             for chunk in closing(event, index, item) if live else whole_item(event, index, item):

@@ -133,12 +133,11 @@ async def answer(state: ServerState, job: Job, handles: list[Handle], req: HTTPR
     handed_over = False
     try:
         for handle in handles:
-            kind, payload = await next_event(handle)  # "accepted", or the engine refused it
-            if kind == "error":
-                status, message = payload
+            event = await next_event(handle)  # "accepted", or the engine refused it
+            if event.kind == "error":
                 param = api.prompt_param or ("messages" if job.kind == "chat" else "prompt")
-                return json_error(status, message, param=param,
-                                  code="engine_error" if status >= 500 else "invalid_request")
+                return json_error(event.status, event.message, param=param,
+                                  code="engine_error" if event.status >= 500 else "invalid_request")
         handed_over = True
         if job.params.streaming:
             return EventStream(state.worker, handles, api.stream(state, job, handles))

@@ -5,15 +5,8 @@ HTTP handlers (on the asyncio loop) talk to it through a thread-safe inbox
 with loop.call_soon_threadsafe. One loop, so requests from every connection
 share each decode step (continuous batching).
 
-Events posted to a request's queue, in order:
-    ("accepted", None)            the engine took the request (or ("error", (status, message)))
-    ("prompt", [logprobs])        the prompt's logprobs, once prefilled (requests that ask: echo)
-    ("tokens", ([ids], logprobs, text, offsets))
-                                  newly released tokens (only what the policy releases), their logprobs
-                                  (None unless asked for), their text (engine/detokenize.py: cut before
-                                  a stop string) and where each token's text begins
-    ("done", Result)              the last event of a request that ran
-    ("error", (status, message))  the request failed; nothing follows
+Events posted to a request's queue, in order: events.py's `Event` (accepted, prompt, tokens, then done
+or error).
 
 Failure isolation: a request the engine refuses gets a 400 and nothing else
 changes; if a step raises, the requests that were in the step fail with 500,
@@ -33,6 +26,7 @@ from typing import Any
 from ..engine import Request, Result
 from ..engine.engine import Engine, StreamEvent
 from .config import ServerConfig
+from .events import Event
 from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics
 
@@ -159,16 +153,16 @@ class EngineWorker:
             self._inbox.put(("abort", (handle, reason)))
 
     # --- the engine thread -----------------------------------------------------------
-    def _post(self, handle: Handle, kind: str, payload: Any = None) -> None:
+    def _post(self, handle: Handle, event: Event) -> None:
         if handle.closed:
             return
-        if kind in ("done", "error"):
+        if event.last:
             handle.closed = True
             with self._lock:
                 self._in_flight -= 1
             self._handles.pop(handle.request_id, None)
         try:
-            handle.loop.call_soon_threadsafe(handle.events.put_nowait, (kind, payload))
+            handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
             pass
 
@@ -213,7 +207,7 @@ class EngineWorker:
                     self._abort(*arg)
                 except Exception as exc:  # noqa: BLE001 - never leave a caller waiting
                     log.error("abort failed: %s", traceback.format_exc())
-                    self._post(arg[0], "error", (500, f"abort failed: {exc}"))
+                    self._post(arg[0], Event.error(500, f"abort failed: {exc}"))
             elif kind == "fail_all":
                 self._fail_all(*arg)
             try:
@@ -226,15 +220,15 @@ class EngineWorker:
             handle.seq = self.engine.add_request(handle.request)
         except ValueError as exc:
             self.metrics.inc("requests_rejected_total", reason="invalid")
-            self._post(handle, "error", (400, str(exc)))
+            self._post(handle, Event.error(400, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
             log.error("add_request failed: %s", traceback.format_exc())
-            self._post(handle, "error", (500, f"the engine could not take the request: {exc}"))
+            self._post(handle, Event.error(500, f"the engine could not take the request: {exc}"))
             return
         self._handles[handle.request_id] = handle
         self.metrics.inc("prompt_tokens_total", len(handle.request.prompt_ids))
-        self._post(handle, "accepted")
+        self._post(handle, Event("accepted"))
 
     def _abort(self, handle: Handle, reason: str) -> None:
         if handle.closed:
@@ -246,9 +240,9 @@ class EngineWorker:
         if result is not None:
             result.finish_reason = reason
             self._account(handle, result)
-            self._post(handle, "done", result)
+            self._post(handle, Event("done", result=result))
         else:
-            self._post(handle, "error", (499, "aborted"))
+            self._post(handle, Event.error(499, "aborted"))
 
     def _step(self) -> None:
         before = {phase: replace(t) for phase, t in self.engine.totals.items()}
@@ -284,21 +278,21 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 log.error("request %s failed: %s", handle.request_id, traceback.format_exc())
                 self.engine.abort(handle.request_id)
-                self._post(handle, "error", (500, f"internal error in request {handle.request_id}: {exc}"))
+                self._post(handle, Event.error(500, f"internal error in request {handle.request_id}: {exc}"))
 
     def _forward(self, handle: Handle, event: StreamEvent, now: float) -> None:
         """One release of the engine's, as the handle's events (and the metrics it moves)."""
         if event.prompt_logprobs is not None:
-            self._post(handle, "prompt", event.prompt_logprobs)
+            self._post(handle, Event("prompt", prompt_logprobs=event.prompt_logprobs))
         if event.token_ids and handle.first_token is None:
             handle.first_token = now
             self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
         if event.token_ids or event.text:  # the last text may come with no token (a held-back tail)
             self.metrics.inc("generation_tokens_total", len(event.token_ids))
-            self._post(handle, "tokens", (event.token_ids, event.logprobs, event.text, event.text_offsets))
+            self._post(handle, Event.tokens(event))
         if event.finished:
             self._account(handle, event.result)
-            self._post(handle, "done", event.result)
+            self._post(handle, Event("done", result=event.result))
 
     def _account(self, handle: Handle, result: Result) -> None:
         m, stats = self.metrics, result.stats
@@ -324,7 +318,7 @@ class EngineWorker:
             self.engine.abort(request_id)
             handle = self._handles.get(request_id)
             if handle is not None:
-                self._post(handle, "error", (500, f"engine step failed: {type(exc).__name__}: {exc}"))
+                self._post(handle, Event.error(500, f"engine step failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, status: int, message: str, inbox: bool = False) -> None:
         for handle in list(self._handles.values()):
@@ -332,11 +326,11 @@ class EngineWorker:
                 self.engine.abort(handle.request_id)
             except Exception:  # noqa: BLE001
                 pass
-            self._post(handle, "error", (status, message))
+            self._post(handle, Event.error(status, message))
         while inbox:  # requests submitted but never added
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
-                self._post(arg, "error", (status, message))
+                self._post(arg, Event.error(status, message))
