@@ -2,7 +2,8 @@
 answer is bitwise the chat route's for the same conversation (a string input, message items, instructions, a
 function call and its output sent back); json_schema text format parses; a forced function call is a
 `function_call` item whose arguments parse; streamed (`responses.stream`) the events come in the SDK's order
-and their text and arguments are the whole answer's; bad requests are a 400 naming the Responses field."""
+and their text and arguments are the whole answer's (bitwise under every deterministic policy, beside three
+streaming clients); bad requests are a 400 naming the Responses field."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import MODEL, chat  # noqa: E402
+from server_fixtures import MODEL, StreamingLoad, chat  # noqa: E402
 
+from margingate.options import deterministic_policies  # noqa: E402
 from margingate.server.protocol import ChatCompletionRequest  # noqa: E402
 from margingate.server.responses_request import SHARED  # noqa: E402
 
@@ -100,8 +102,8 @@ def test_a_function_call_output_answers_as_the_chat_tool_loop_does(client):
     assert (said[0].content[0].text if said else None) == m.content
 
 
-def streamed(client, **kw) -> tuple[list, object]:
-    with client.responses.stream(model=MODEL, extra_body=BI, **kw) as s:
+def streamed(client, body=BI, **kw) -> tuple[list, object]:
+    with client.responses.stream(model=MODEL, extra_body=body, **kw) as s:
         events = list(s)
         return events, s.get_final_response()
 
@@ -113,11 +115,14 @@ def check_order(events) -> None:
     assert types.count("response.output_item.added") == types.count("response.output_item.done") >= 1
 
 
-def test_a_stream_is_the_whole_answer_bitwise(client):
+@pytest.mark.parametrize("policy", [p for p in deterministic_policies() if p != "auto"])
+def test_a_stream_is_the_whole_answer_bitwise_beside_streaming_clients(client, server, policy):
+    body = {"determinism": {"policy": policy}}
     ask = dict(input="Which city is the capital of France? Answer in JSON.", text={"format": CITY},
                max_output_tokens=64)
-    whole = respond(client, **ask)
-    events, final = streamed(client, **ask)
+    whole = client.responses.create(model=MODEL, extra_body=body, **ask)
+    with StreamingLoad(server, 3, max_tokens=16):
+        events, final = streamed(client, body, **ask)
     check_order(events)
     types = [e.type for e in events]
     for name in ("response.content_part.added", "response.output_text.done", "response.content_part.done"):
@@ -125,6 +130,7 @@ def test_a_stream_is_the_whole_answer_bitwise(client):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text == whole.output_text and types.count("response.output_text.delta") > 1
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.model_extra["determinism"]["policy"] == policy
 
 
 def test_a_streamed_function_call_is_the_whole_call(client):
