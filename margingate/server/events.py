@@ -1,5 +1,5 @@
-"""One request's events, from the engine thread (worker.py) to its HTTP handler, read by name, and the
-per-choice accumulator that whole and streamed answers alike fill from them.
+"""One request's events, from the engine thread (worker.py) to its HTTP handler, read by name; the handle the
+handler holds them by; and the per-choice accumulator that whole and streamed answers alike fill from them.
 
 Events, in order: `accepted` (the engine took the request) or `error`; then `prompt` (the prompt's logprobs,
 once prefilled: requests that ask, echo), `tokens` (newly released tokens, only what the policy releases: their
@@ -8,10 +8,12 @@ token's text begins), and last `done` (the Result) or `error` (status, message);
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from ..engine import Result
+from ..engine import Request, Result
 from ..engine.engine import StreamEvent
 from .protocol import OPENAI_FINISH
 
@@ -68,3 +70,20 @@ class Outcome:
             self.offsets += event.offsets
         elif event.kind == "done":
             self.reason, self.result = event.finish_reason, event.result
+
+
+@dataclass(eq=False)
+class Handle:
+    """One submitted request, as the HTTP side sees it."""
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float = field(default_factory=time.perf_counter)
+    seq: Any = None                     # the engine's Sequence, once added (engine thread only)
+    first_token: float | None = None
+    admitted: bool = False
+    closed: bool = False                # the last event was posted
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id

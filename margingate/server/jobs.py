@@ -16,11 +16,10 @@ from ..engine import Request, Result
 from ..engine.policy import Policy
 from . import tools
 from .errors import RequestFailed, json_error
-from .events import Event, Outcome
+from .events import Event, Handle, Outcome
 from .logprobs import merge_completion
 from .protocol import finite
 from .state import ServerState
-from .worker import Handle
 
 
 @dataclass

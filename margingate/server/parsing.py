@@ -25,9 +25,10 @@ from ..options import (
 )
 from ..options.structured import StructuredError
 from . import tools
+from .bodies import ChatCompletionRequest, CompletionRequest
 from .constraints import compiled
 from .jobs import Choice, Job
-from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
+from .protocol import BadRequest, parse_json_body, validation_message
 from .state import ServerState
 
 

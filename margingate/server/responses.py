@@ -24,13 +24,12 @@ from fastapi import Request as HTTPRequest
 
 from . import tools
 from .errors import RequestFailed
-from .events import Outcome
+from .events import Handle, Outcome
 from .jobs import Api, Job, abort_all, determinism_report, merged, usage
 from .parsing import build_job, json_object, read_body
 from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
 from .state import ServerState
-from .worker import Handle
 
 
 async def parse(state: ServerState, req: HTTPRequest, kind: str) -> Job:

@@ -11,14 +11,14 @@ from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
 from . import responses, sdk_fields, tokenization
-from .errors import json_error
+from .errors import QueueFull, ShuttingDown, json_error
+from .events import Handle
 from .jobs import Api, Job, abort_all, complete, next_event
 from .metrics import CONTENT_TYPE
 from .parsing import parse_job
 from .protocol import BadRequest
 from .state import ServerState
 from .streaming import EventStream, stream
-from .worker import Handle, QueueFull, ShuttingDown
 
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize

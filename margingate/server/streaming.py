@@ -10,11 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from . import tools
 from .errors import RequestFailed
-from .events import Outcome
+from .events import Handle, Outcome
 from .jobs import Choice, Job, abort_all, determinism_report, echo_text, envelope, merged, usage
 from .protocol import error_body
 from .state import ServerState
-from .worker import EngineWorker, Handle
+from .worker import EngineWorker
 
 DONE = b"data: [DONE]\n\n"
 

@@ -20,42 +20,17 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from ..engine import Request, Result
+from ..engine import Request
 from ..engine.engine import Engine, StreamEvent
 from .config import ServerConfig
-from .events import Event
+from .errors import QueueFull, ShuttingDown
+from .events import Event, Handle
 from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("margingate.server")
-
-
-class QueueFull(Exception):
-    """Too many requests in flight: the caller should retry later (429)."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining: no new requests (503)."""
-
-
-@dataclass(eq=False)
-class Handle:
-    """One submitted request, as the HTTP side sees it."""
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    submitted: float = field(default_factory=time.perf_counter)
-    seq: Any = None                     # the engine's Sequence, once added (engine thread only)
-    first_token: float | None = None
-    admitted: bool = False
-    closed: bool = False                # the last event was posted
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
 
 class EngineWorker:
@@ -239,7 +214,7 @@ class EngineWorker:
         result = self.engine.result(handle.seq) if handle.seq is not None else None
         if result is not None:
             result.finish_reason = reason
-            self._account(handle, result)
+            self.metrics.finished(result, time.perf_counter() - handle.submitted)
             self._post(handle, Event("done", result=result))
         else:
             self._post(handle, Event.error(499, "aborted"))
@@ -291,23 +266,8 @@ class EngineWorker:
             self.metrics.inc("generation_tokens_total", len(event.token_ids))
             self._post(handle, Event.tokens(event))
         if event.finished:
-            self._account(handle, event.result)
+            self.metrics.finished(event.result, time.perf_counter() - handle.submitted)
             self._post(handle, Event("done", result=event.result))
-
-    def _account(self, handle: Handle, result: Result) -> None:
-        m, stats = self.metrics, result.stats
-        policy = str(stats.get("policy", "?"))
-        m.inc("requests_finished_total", policy=policy, finish_reason=result.finish_reason)
-        m.observe("request_latency_seconds", time.perf_counter() - handle.submitted)
-        for key, name in (("triggers", "determinism_triggers_total"), ("repairs", "determinism_repairs_total"),
-                          ("rollbacks", "determinism_rollbacks_total"),
-                          ("replayed_tokens", "determinism_replayed_tokens_total"),
-                          ("proposed_tokens", "speculative_proposed_tokens_total"),
-                          ("accepted_tokens", "speculative_accepted_tokens_total"),
-                          ("speculative_steps", "speculative_steps_total"),
-                          ("proposal_seconds", "speculative_proposal_seconds_total"),
-                          ("speculation_held_steps", "speculative_held_steps_total")):
-            m.inc(name, float(stats.get(key, 0) or 0), policy=policy)
 
     def _fail_step(self, exc: Exception) -> None:
         """engine.step raised: fail every request that was in it, free their slots, go on."""
