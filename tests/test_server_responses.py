@@ -66,10 +66,17 @@ def test_instructions_are_the_system_message(client):
 
 
 def test_json_schema_text_format_parses(client):
-    r = respond(client, "Which city is the capital of France? Answer in JSON.", text={"format": CITY},
-                max_output_tokens=64)
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+
+    ask = "Which city is the capital of France? Answer in JSON."
+    r = respond(client, ask, text={"format": CITY}, max_output_tokens=64)
     assert r.status == "completed"
     assert set(json.loads(r.output_text)) == {"city"}
+    parsed = client.responses.parse(model=MODEL, input=ask, text_format=City, max_output_tokens=64, extra_body=BI)
+    assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.city
 
 
 def forced_call(client):
@@ -164,6 +171,8 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete(http):
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"instructons": "x"}, "instructons"),
     ({"background": True}, "background"),
 ])
