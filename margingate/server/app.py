@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible routes in front of one engine thread.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
 GET /health, GET /metrics. With an API key every route but /health needs
 `Authorization: Bearer <key>`.
 
@@ -13,9 +13,11 @@ request (triggers, repairs, rollbacks, ...) plus the environment the contract
 depends on.
 
 The parts: config.py (settings), state.py (what one app holds), worker.py (the engine thread),
-parsing.py (body -> Job), jobs.py (events -> answer), streaming.py (SSE; the text and its stop
-strings are the engine's: engine/detokenize.py), routes.py, guard.py (API key, request counts),
-errors.py, protocol.py, metrics.py, heap.py (the C heap's free pages handed back once idle).
+events.py (its typed per-request events, and the per-choice accumulator), parsing.py (body -> Job),
+jobs.py (events -> answer), streaming.py (SSE; the text and its stop strings are the engine's:
+engine/detokenize.py), responses.py and responses_request.py (/v1/responses, served as chat), routes.py,
+guard.py (API key, request counts), errors.py, protocol.py, metrics.py, heap.py (the C heap's free pages
+handed back once idle).
 """
 from __future__ import annotations
 

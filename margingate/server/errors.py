@@ -1,4 +1,5 @@
-"""Error answers: the OpenAI error body as a JSON response, and a request the engine failed."""
+"""Error answers: the OpenAI error body as a JSON response; the engine thread's refusals (queue full, shutting
+down) and a request the engine failed."""
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
@@ -6,8 +7,16 @@ from fastapi.responses import JSONResponse
 from .protocol import error_body
 
 
+class QueueFull(Exception):
+    """Too many requests in flight: the caller should retry later (429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: no new requests (503)."""
+
+
 class RequestFailed(Exception):
-    """The engine failed a request it had accepted (an ("error", (status, message)) event)."""
+    """The engine failed a request it had accepted (an `error` event: events.py)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)

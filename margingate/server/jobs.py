@@ -1,11 +1,11 @@
 """A generation request once accepted: its choices (n samples of each prompt), the worker's
-per-request events turned into text deltas with their logprobs, the response's envelope, usage
+per-request events (events.py) merged across choices, the response's envelope, usage
 and determinism report, and the non-streaming answer."""
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +16,10 @@ from ..engine import Request, Result
 from ..engine.policy import Policy
 from . import tools
 from .errors import RequestFailed, json_error
+from .events import Event, Handle, Outcome
 from .logprobs import merge_completion
-from .protocol import OPENAI_FINISH, finite
+from .protocol import finite
 from .state import ServerState
-from .worker import Handle
 
 
 @dataclass
@@ -40,21 +40,23 @@ class Job:
     id: str
     choices: list[Choice]
     tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
+    ignored: list[str] = field(default_factory=list)  # unknown fields of the body: named in the answer's header
+    origin: Any = None             # the body as its own API sent it, where that API is served as chat (responses)
 
     @property
     def echo(self) -> bool:
         return bool(getattr(self.params, "echo", False))
 
 
-@dataclass
-class Outcome:
-    """What one choice produced, as the client sees it."""
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)     # one TokenLogprob per id (if asked)
-    offsets: list[int] = field(default_factory=list)  # where each id's text begins (completions' logprobs)
-    reason: str | None = None
-    result: Result | None = None
+@dataclass(frozen=True)
+class Api:
+    """How one HTTP API reads its body into a `Job` and writes the answer: `parse(state, req, kind)`, the whole
+    body `render(state, job, outcomes)` (None: the completions' shape) and the event stream
+    `stream(state, job, handles)`; `prompt_param` names the field an engine refusal of the prompt blames."""
+    parse: Callable
+    render: Callable | None
+    stream: Callable
+    prompt_param: str | None = None
 
 
 # --- response pieces ---------------------------------------------------------------------
@@ -122,31 +124,24 @@ def logprobs_body(state: ServerState, job: Job, choice: Choice, outcome: Outcome
     return merge_completion(parts)
 
 
-# --- the worker's events -> deltas ---------------------------------------------------------
+# --- the worker's events ------------------------------------------------------------------
 
-async def next_event(handle: Handle) -> tuple[str, Any]:
+async def next_event(handle: Handle) -> Event:
     return await handle.events.get()
 
 
-async def run_job(handle: Handle) -> AsyncIterator[tuple]:
-    """Yields ("prompt", logprobs) (echo), ("delta", text, ids, logprobs, text offsets), then ("final",
-    finish_reason, result); raises RequestFailed. The text is the engine's: cut before a stop string."""
+async def run_job(handle: Handle) -> AsyncIterator[Event]:
+    """The request's events after `accepted` (prompt, tokens, done: events.py); raises RequestFailed."""
     while True:
-        kind, payload = await next_event(handle)
-        if kind == "error":
-            raise RequestFailed(*payload)
-        if kind == "prompt":
-            yield ("prompt", payload)
-        elif kind == "tokens":
-            ids, lps, text, offsets = payload
-            yield ("delta", text, ids, lps or [], offsets or [])
-        elif kind == "done":
-            result: Result = payload
-            yield ("final", OPENAI_FINISH.get(result.finish_reason, "stop"), result)
+        event = await next_event(handle)
+        if event.kind == "error":
+            raise RequestFailed(event.status, event.message)
+        yield event
+        if event.kind == "done":
             return
 
 
-async def merged(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[tuple[Choice, tuple]]:
+async def merged(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[tuple[Choice, Event]]:
     """Every choice's events as they come, tagged with the choice; the first failure raises."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -188,26 +183,18 @@ async def wait_disconnect(req: HTTPRequest) -> None:
             return
 
 
-async def collect(state: ServerState, job: Job, handles: list[Handle]) -> tuple[dict[int, Outcome], dict]:
-    """Every choice's whole answer, and each echo's prompt logprobs."""
+async def collect(state: ServerState, job: Job, handles: list[Handle]) -> dict[int, Outcome]:
+    """Every choice's whole answer."""
     outcomes = {c.index: Outcome() for c in job.choices}
-    prompt_lps: dict[int, list] = {}
-    async for choice, ev in merged(state, job, handles):
-        o = outcomes[choice.index]
-        if ev[0] == "prompt":
-            prompt_lps[choice.index] = ev[1]
-        elif ev[0] == "delta":
-            o.text += ev[1]
-            o.ids += ev[2]
-            o.logprobs += ev[3]
-            o.offsets += ev[4]
-        else:
-            o.reason, o.result = ev[1], ev[2]
-    return outcomes, prompt_lps
+    async for choice, event in merged(state, job, handles):
+        outcomes[choice.index].take(event)
+    return outcomes
 
 
-async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest) -> Response:
-    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away."""
+async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest,
+                   render: Callable[..., dict] | None = None) -> Response:
+    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away;
+    `render(state, job, outcomes)` makes the body (by default the completions' shape)."""
     task = asyncio.ensure_future(collect(state, job, handles))
     gone = asyncio.ensure_future(wait_disconnect(req))
     try:
@@ -220,14 +207,14 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
     if task not in done:
         return Response(status_code=499)  # nobody is listening
     try:
-        outcomes, prompt_lps = task.result()
+        outcomes = task.result()
     except RequestFailed as exc:
         abort_all(state, handles, "aborted")
         return json_error(exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
-    return JSONResponse(completion_body(state, job, outcomes, prompt_lps))
+    return JSONResponse((render or completion_body)(state, job, outcomes))
 
 
-def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome, prompt_lps: list | None) -> dict:
+def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome) -> dict:
     body = {"index": choice.index, "finish_reason": o.reason, "token_ids": o.ids}
     if job.kind == "chat":
         message, body["finish_reason"] = tools.answer(job.params, job.tool_mode, o.text, o.reason)
@@ -236,16 +223,16 @@ def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome, prompt
         return body
     echo = None
     if job.echo:
-        echo = (echo_text(state, choice), prompt_lps or o.result.prompt_logprobs)
+        echo = (echo_text(state, choice), o.prompt_logprobs or o.result.prompt_logprobs)
         body["prompt_token_ids"] = choice.request.prompt_ids
     body["text"] = (echo[0] if echo else "") + o.text
     body["logprobs"] = logprobs_body(state, job, choice, o, echo)
     return body
 
 
-def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], prompt_lps: dict) -> dict:
+def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
     body = envelope(state, job)
-    body["choices"] = [choice_body(state, job, c, outcomes[c.index], prompt_lps.get(c.index)) for c in job.choices]
+    body["choices"] = [choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
     reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
     if len(reports) > 1:
         for choice, report in zip(body["choices"], reports):

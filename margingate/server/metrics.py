@@ -113,6 +113,25 @@ class Metrics:
         self._help[name] = ("gauge", help_text)
         self._gauges[name] = read
 
+    # a finished request's stats -> the counters they move
+    FINISHED_STATS = (("triggers", "determinism_triggers_total"), ("repairs", "determinism_repairs_total"),
+                      ("rollbacks", "determinism_rollbacks_total"),
+                      ("replayed_tokens", "determinism_replayed_tokens_total"),
+                      ("proposed_tokens", "speculative_proposed_tokens_total"),
+                      ("accepted_tokens", "speculative_accepted_tokens_total"),
+                      ("speculative_steps", "speculative_steps_total"),
+                      ("proposal_seconds", "speculative_proposal_seconds_total"),
+                      ("speculation_held_steps", "speculative_held_steps_total"))
+
+    def finished(self, result, latency_s: float) -> None:
+        """A request that ran to its end (an engine `Result`): its finish, latency and policy's counts."""
+        stats = result.stats
+        policy = str(stats.get("policy", "?"))
+        self.inc("requests_finished_total", policy=policy, finish_reason=result.finish_reason)
+        self.observe("request_latency_seconds", latency_s)
+        for key, name in self.FINISHED_STATS:
+            self.inc(name, float(stats.get(key, 0) or 0), policy=policy)
+
     def value(self, name: str, **labels) -> float:
         """A counter's current value (tests, /health)."""
         with self._lock:

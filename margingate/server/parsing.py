@@ -25,9 +25,10 @@ from ..options import (
 )
 from ..options.structured import StructuredError
 from . import tools
+from .bodies import ChatCompletionRequest, CompletionRequest
 from .constraints import compiled
 from .jobs import Choice, Job
-from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_json_body, validation_message
+from .protocol import BadRequest, parse_json_body, validation_message
 from .state import ServerState
 
 
@@ -191,7 +192,12 @@ def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
 
 async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
     """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
-    params = validate(state, await read_body(req, state.config.max_body_bytes), kind)
+    return await build_job(state, await read_body(req, state.config.max_body_bytes), kind)
+
+
+async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix: str | None = None) -> Job:
+    """A body (bytes, or its JSON object: an API translated to chat gives one) as a `Job`; raises BadRequest."""
+    params = validate(state, body, kind)
     policy = build_policy(state, params)
     sampling = sampling_params(state, params, kind)
     tool_mode = tools.mode(params) if kind == "chat" else "none"
@@ -203,7 +209,7 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
         sampling = replace(sampling, structured=structured)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
     speculative = speculative_config(state, params)
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{id_prefix or ('chatcmpl-' if kind == 'chat' else 'cmpl-')}{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
     try:
         for p, (ids, text) in enumerate(await prompts(state, params, kind, tool_mode)):
@@ -219,4 +225,4 @@ async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, policy, rid, choices, tool_mode)
+    return Job(kind, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields())

@@ -1,5 +1,5 @@
-"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions (and
-/tokenize, /detokenize: tokenization.py).
+"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions,
+/v1/responses (responses.py: served as chat) and /tokenize, /detokenize (tokenization.py).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
 
@@ -10,19 +10,20 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
-from . import sdk_fields, tokenization
-from .errors import json_error
-from .jobs import Job, abort_all, complete, next_event
+from . import responses, sdk_fields, tokenization
+from .errors import QueueFull, ShuttingDown, json_error
+from .events import Handle
+from .jobs import Api, Job, abort_all, complete, next_event
 from .metrics import CONTENT_TYPE
 from .parsing import parse_job
 from .protocol import BadRequest
 from .state import ServerState
 from .streaming import EventStream, stream
-from .worker import Handle, QueueFull, ShuttingDown
 
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize
 log = logging.getLogger("margingate.server")
+COMPLETIONS = Api(parse_job, None, stream)  # /v1/completions and /v1/chat/completions
 
 
 def state_of(req: HTTPRequest) -> ServerState:
@@ -88,15 +89,20 @@ async def chat_completions(req: HTTPRequest):
     return await generate(state_of(req), req, "chat")
 
 
-async def generate(state: ServerState, req: HTTPRequest, kind: str) -> Response:
+@router.post("/v1/responses")
+async def create_response(req: HTTPRequest):
+    return await generate(state_of(req), req, "chat", responses.API)
+
+
+async def generate(state: ServerState, req: HTTPRequest, kind: str, api: Api = COMPLETIONS) -> Response:
     try:
-        job = await parse_job(state, req, kind)
+        job = await api.parse(state, req, kind)
     except BadRequest as exc:
         state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
         return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
     handles = submit(state, job)
-    response = handles if isinstance(handles, Response) else await answer(state, job, handles, req)
-    ignored = job.params.ignored_fields()
+    response = handles if isinstance(handles, Response) else await answer(state, job, handles, req, api)
+    ignored = job.ignored
     if ignored:  # said, not refused: the client learns what had no effect
         log.info("%s: ignored unknown fields: %s", job.id, ", ".join(ignored))
         response.headers[sdk_fields.IGNORED_HEADER] = sdk_fields.header_value(ignored)
@@ -121,21 +127,21 @@ def submit(state: ServerState, job: Job) -> list[Handle] | Response:
         return json_error(503, str(exc), code="unavailable", headers=retry)
 
 
-async def answer(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest) -> Response:
+async def answer(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest, api: Api) -> Response:
     """Once the engine took the requests: a stream or the whole answer. Until one of them owns the
     requests, any way out (the engine's refusal, a cancelled handler) aborts them."""
     handed_over = False
     try:
         for handle in handles:
-            kind, payload = await next_event(handle)  # "accepted", or the engine refused it
-            if kind == "error":
-                status, message = payload
-                return json_error(status, message, param="messages" if job.kind == "chat" else "prompt",
-                                  code="engine_error" if status >= 500 else "invalid_request")
+            event = await next_event(handle)  # "accepted", or the engine refused it
+            if event.kind == "error":
+                param = api.prompt_param or ("messages" if job.kind == "chat" else "prompt")
+                return json_error(event.status, event.message, param=param,
+                                  code="engine_error" if event.status >= 500 else "invalid_request")
         handed_over = True
         if job.params.streaming:
-            return EventStream(state.worker, handles, stream(state, job, handles))
-        return await complete(state, job, handles, req)
+            return EventStream(state.worker, handles, api.stream(state, job, handles))
+        return await complete(state, job, handles, req, api.render)
     finally:
         if not handed_over:
             abort_all(state, handles, "disconnect")

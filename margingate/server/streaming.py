@@ -10,10 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from . import tools
 from .errors import RequestFailed
-from .jobs import Choice, Job, Outcome, abort_all, determinism_report, echo_text, envelope, merged, usage
+from .events import Handle, Outcome
+from .jobs import Choice, Job, abort_all, determinism_report, echo_text, envelope, merged, usage
 from .protocol import error_body
 from .state import ServerState
-from .worker import EngineWorker, Handle
+from .worker import EngineWorker
 
 DONE = b"data: [DONE]\n\n"
 
@@ -79,17 +80,16 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
         if job.kind == "chat":
             for c in job.choices:
                 yield sse(writer.chunk(c, "", [], first=True))
-        async for choice, ev in merged(state, job, handles):
+        async for choice, event in merged(state, job, handles):
             o = outcomes[choice.index]
-            if ev[0] == "prompt":
-                yield sse(writer.echo(choice, ev[1]))
-            elif ev[0] == "delta":
-                o.ids += ev[2]
-                o.text += ev[1]
+            o.take(event)
+            if event.kind == "prompt":
+                yield sse(writer.echo(choice, event.prompt_logprobs))
+            elif event.kind == "tokens":
                 withheld = job.tool_mode != "none"  # tool calls go out whole, once parsed
-                yield sse(writer.chunk(choice, None if withheld else ev[1], ev[2], ev[3], offsets=ev[4]))
-            else:
-                o.reason, o.result = ev[1], ev[2]
+                yield sse(writer.chunk(choice, None if withheld else event.text, event.ids, event.logprobs,
+                                       offsets=event.offsets))
+            elif event.kind == "done":
                 if job.tool_mode != "none":
                     message, o.reason = tools.answer(job.params, job.tool_mode, o.text, o.reason)
                     yield sse(writer.tool_delta(choice, message))

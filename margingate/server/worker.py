@@ -5,15 +5,8 @@ HTTP handlers (on the asyncio loop) talk to it through a thread-safe inbox
 with loop.call_soon_threadsafe. One loop, so requests from every connection
 share each decode step (continuous batching).
 
-Events posted to a request's queue, in order:
-    ("accepted", None)            the engine took the request (or ("error", (status, message)))
-    ("prompt", [logprobs])        the prompt's logprobs, once prefilled (requests that ask: echo)
-    ("tokens", ([ids], logprobs, text, offsets))
-                                  newly released tokens (only what the policy releases), their logprobs
-                                  (None unless asked for), their text (engine/detokenize.py: cut before
-                                  a stop string) and where each token's text begins
-    ("done", Result)              the last event of a request that ran
-    ("error", (status, message))  the request failed; nothing follows
+Events posted to a request's queue, in order: events.py's `Event` (accepted, prompt, tokens, then done
+or error).
 
 Failure isolation: a request the engine refuses gets a 400 and nothing else
 changes; if a step raises, the requests that were in the step fail with 500,
@@ -27,41 +20,17 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from ..engine import Request, Result
+from ..engine import Request
 from ..engine.engine import Engine, StreamEvent
 from .config import ServerConfig
+from .errors import QueueFull, ShuttingDown
+from .events import Event, Handle
 from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("margingate.server")
-
-
-class QueueFull(Exception):
-    """Too many requests in flight: the caller should retry later (429)."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining: no new requests (503)."""
-
-
-@dataclass(eq=False)
-class Handle:
-    """One submitted request, as the HTTP side sees it."""
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    submitted: float = field(default_factory=time.perf_counter)
-    seq: Any = None                     # the engine's Sequence, once added (engine thread only)
-    first_token: float | None = None
-    admitted: bool = False
-    closed: bool = False                # the last event was posted
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
 
 class EngineWorker:
@@ -159,16 +128,16 @@ class EngineWorker:
             self._inbox.put(("abort", (handle, reason)))
 
     # --- the engine thread -----------------------------------------------------------
-    def _post(self, handle: Handle, kind: str, payload: Any = None) -> None:
+    def _post(self, handle: Handle, event: Event) -> None:
         if handle.closed:
             return
-        if kind in ("done", "error"):
+        if event.last:
             handle.closed = True
             with self._lock:
                 self._in_flight -= 1
             self._handles.pop(handle.request_id, None)
         try:
-            handle.loop.call_soon_threadsafe(handle.events.put_nowait, (kind, payload))
+            handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
             pass
 
@@ -213,7 +182,7 @@ class EngineWorker:
                     self._abort(*arg)
                 except Exception as exc:  # noqa: BLE001 - never leave a caller waiting
                     log.error("abort failed: %s", traceback.format_exc())
-                    self._post(arg[0], "error", (500, f"abort failed: {exc}"))
+                    self._post(arg[0], Event.error(500, f"abort failed: {exc}"))
             elif kind == "fail_all":
                 self._fail_all(*arg)
             try:
@@ -226,15 +195,15 @@ class EngineWorker:
             handle.seq = self.engine.add_request(handle.request)
         except ValueError as exc:
             self.metrics.inc("requests_rejected_total", reason="invalid")
-            self._post(handle, "error", (400, str(exc)))
+            self._post(handle, Event.error(400, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
             log.error("add_request failed: %s", traceback.format_exc())
-            self._post(handle, "error", (500, f"the engine could not take the request: {exc}"))
+            self._post(handle, Event.error(500, f"the engine could not take the request: {exc}"))
             return
         self._handles[handle.request_id] = handle
         self.metrics.inc("prompt_tokens_total", len(handle.request.prompt_ids))
-        self._post(handle, "accepted")
+        self._post(handle, Event("accepted"))
 
     def _abort(self, handle: Handle, reason: str) -> None:
         if handle.closed:
@@ -245,10 +214,10 @@ class EngineWorker:
         result = self.engine.result(handle.seq) if handle.seq is not None else None
         if result is not None:
             result.finish_reason = reason
-            self._account(handle, result)
-            self._post(handle, "done", result)
+            self.metrics.finished(result, time.perf_counter() - handle.submitted)
+            self._post(handle, Event("done", result=result))
         else:
-            self._post(handle, "error", (499, "aborted"))
+            self._post(handle, Event.error(499, "aborted"))
 
     def _step(self) -> None:
         before = {phase: replace(t) for phase, t in self.engine.totals.items()}
@@ -284,36 +253,21 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 log.error("request %s failed: %s", handle.request_id, traceback.format_exc())
                 self.engine.abort(handle.request_id)
-                self._post(handle, "error", (500, f"internal error in request {handle.request_id}: {exc}"))
+                self._post(handle, Event.error(500, f"internal error in request {handle.request_id}: {exc}"))
 
     def _forward(self, handle: Handle, event: StreamEvent, now: float) -> None:
         """One release of the engine's, as the handle's events (and the metrics it moves)."""
         if event.prompt_logprobs is not None:
-            self._post(handle, "prompt", event.prompt_logprobs)
+            self._post(handle, Event("prompt", prompt_logprobs=event.prompt_logprobs))
         if event.token_ids and handle.first_token is None:
             handle.first_token = now
             self.metrics.observe("time_to_first_token_seconds", now - handle.submitted)
         if event.token_ids or event.text:  # the last text may come with no token (a held-back tail)
             self.metrics.inc("generation_tokens_total", len(event.token_ids))
-            self._post(handle, "tokens", (event.token_ids, event.logprobs, event.text, event.text_offsets))
+            self._post(handle, Event.tokens(event))
         if event.finished:
-            self._account(handle, event.result)
-            self._post(handle, "done", event.result)
-
-    def _account(self, handle: Handle, result: Result) -> None:
-        m, stats = self.metrics, result.stats
-        policy = str(stats.get("policy", "?"))
-        m.inc("requests_finished_total", policy=policy, finish_reason=result.finish_reason)
-        m.observe("request_latency_seconds", time.perf_counter() - handle.submitted)
-        for key, name in (("triggers", "determinism_triggers_total"), ("repairs", "determinism_repairs_total"),
-                          ("rollbacks", "determinism_rollbacks_total"),
-                          ("replayed_tokens", "determinism_replayed_tokens_total"),
-                          ("proposed_tokens", "speculative_proposed_tokens_total"),
-                          ("accepted_tokens", "speculative_accepted_tokens_total"),
-                          ("speculative_steps", "speculative_steps_total"),
-                          ("proposal_seconds", "speculative_proposal_seconds_total"),
-                          ("speculation_held_steps", "speculative_held_steps_total")):
-            m.inc(name, float(stats.get(key, 0) or 0), policy=policy)
+            self.metrics.finished(event.result, time.perf_counter() - handle.submitted)
+            self._post(handle, Event("done", result=event.result))
 
     def _fail_step(self, exc: Exception) -> None:
         """engine.step raised: fail every request that was in it, free their slots, go on."""
@@ -324,7 +278,7 @@ class EngineWorker:
             self.engine.abort(request_id)
             handle = self._handles.get(request_id)
             if handle is not None:
-                self._post(handle, "error", (500, f"engine step failed: {type(exc).__name__}: {exc}"))
+                self._post(handle, Event.error(500, f"engine step failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, status: int, message: str, inbox: bool = False) -> None:
         for handle in list(self._handles.values()):
@@ -332,11 +286,11 @@ class EngineWorker:
                 self.engine.abort(handle.request_id)
             except Exception:  # noqa: BLE001
                 pass
-            self._post(handle, "error", (status, message))
+            self._post(handle, Event.error(status, message))
         while inbox:  # requests submitted but never added
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
-                self._post(arg, "error", (status, message))
+                self._post(arg, Event.error(status, message))

@@ -1,0 +1,181 @@
+"""`POST /v1/responses`, served as a chat completion: the body becomes a chat body (`responses_request.py`), which
+runs the chat path unchanged (template, tools, grammar, policy); its one choice is written back as a Response
+object: `output` items (an assistant `message` with its `output_text`, then a `function_call` per tool call),
+`status` (`incomplete` where max_output_tokens cut it), `usage` in the Responses' names, and the `determinism`
+report as on the other routes.
+
+Streamed, the events are the ones the openai SDK's `responses.stream()` accumulates, each with its `type` and
+`sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a message)
+response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done, (a call) response.function_call_arguments.delta / .done, response.output_item.done,
+and last response.completed (response.incomplete; response.failed if the engine fails the request). Text
+deltas go out as the engine releases them; with tools the answer is parsed whole, so its items go out at the
+end. The streamed text is the whole answer's: a strict policy releases verified tokens only (`streaming.py`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from fastapi import Request as HTTPRequest
+
+from . import tools
+from .errors import RequestFailed
+from .events import Handle, Outcome
+from .jobs import Api, Job, abort_all, determinism_report, merged, usage
+from .parsing import build_job, json_object, read_body
+from .protocol import BadRequest
+from .responses_request import FunctionChoice, read_request, responses_param
+from .state import ServerState
+
+
+async def parse(state: ServerState, req: HTTPRequest, kind: str) -> Job:
+    """The Responses body as the chat `Job` it means; a refusal names the Responses field."""
+    params = read_request(json_object(await read_body(req, state.config.max_body_bytes)))
+    try:
+        job = await build_job(state, params.chat_body(), kind, id_prefix="resp_")
+    except BadRequest as exc:
+        exc.param = responses_param(exc.param)
+        raise
+    job.ignored, job.origin = params.ignored_fields(), params
+    return job
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(message: dict, message_id: str, status: str) -> list[dict]:
+    """The assistant's answer as output items: its text (always, unless it is calls only), then its calls."""
+    items = []
+    calls = message.get("tool_calls") or []
+    if message.get("content") is not None or not calls:
+        text = {"type": "output_text", "text": message.get("content") or "", "annotations": [], "logprobs": []}
+        items.append({"type": "message", "id": message_id, "status": status, "role": "assistant", "content": [text]})
+    for call in calls:
+        items.append({"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "status": status,
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    return items
+
+
+def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> dict:
+    """A Response object without its usage and report: the request's settings as it was served."""
+    p, chat = job.origin, job.params
+    text_format = p.text.format.model_dump(by_alias=True, exclude_none=True) if p.text and p.text.format else None
+    return {"id": job.id, "object": "response", "created_at": int(time.time()), "status": status,
+            "model": state.model_id, "output": output, "error": None, "incomplete_details": None,
+            "instructions": p.instructions, "max_output_tokens": p.max_output_tokens,
+            "temperature": chat.greedy_temperature, "top_p": 1.0 if chat.top_p is None else chat.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in p.tools or []],
+            "tool_choice": (p.tool_choice.model_dump() if isinstance(p.tool_choice, FunctionChoice)
+                            else p.tool_choice or ("auto" if p.tools else "none")),
+            "parallel_tool_calls": p.parallel_tool_calls is not False, "text": {"format": text_format or
+                                                                                 {"type": "text"}},
+            "reasoning": None, "store": False, "previous_response_id": None, "truncation": "disabled",
+            "metadata": chat.metadata or {}, "system_fingerprint": state.fingerprint}
+
+
+def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], message_id: str | None = None) -> dict:
+    """The whole Response of a finished job (its one choice)."""
+    choice = job.choices[0]
+    o = outcomes[choice.index]
+    message, _ = tools.answer(job.params, job.tool_mode, o.text, o.reason)
+    status = "incomplete" if o.reason == "length" else "completed"
+    body = envelope(state, job, status, output_items(message, message_id or item_id("msg"), status))
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    counts = usage(job, outcomes)
+    body["usage"] = {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
+                     "total_tokens": counts["total_tokens"],
+                     "input_tokens_details": {"cached_tokens": counts.get("prompt_tokens_details", {})
+                                              .get("cached_tokens", 0)},
+                     "output_tokens_details": {"reasoning_tokens": 0}}
+    body["determinism"] = determinism_report(state, job, choice, o.result)
+    return body
+
+
+# --- the stream --------------------------------------------------------------------------------
+
+def opening(event: Callable[..., bytes], index: int, item: dict) -> Iterator[bytes]:
+    """An item announced, empty (a message with its one empty text part)."""
+    if item["type"] == "message":
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "content": []})
+        yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []})
+    else:
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""})
+
+
+def closing(event: Callable[..., bytes], index: int, item: dict) -> Iterator[bytes]:
+    """An item's last events: its whole text or arguments, then the item as it stands in the answer."""
+    if item["type"] == "message":
+        part = item["content"][0]
+        yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    text=part["text"], logprobs=[])
+        yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+    else:
+        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    name=item["name"], arguments=item["arguments"])
+    yield event("response.output_item.done", output_index=index, item=item)
+
+
+def writer() -> Callable[..., bytes]:
+    """SSE events numbered in the order they are written."""
+    numbers = itertools.count()
+
+    def event(type_: str, **fields) -> bytes:
+        payload = json.dumps({"type": type_, "sequence_number": next(numbers), **fields}, ensure_ascii=False)
+        return f"event: {type_}\ndata: {payload}\n\n".encode()
+    return event
+
+
+def whole_item(event: Callable[..., bytes], index: int, item: dict) -> Iterator[bytes]:
+    """An item that goes out at once (the answer with tools, parsed): opened, its content as one delta, closed."""
+    yield from opening(event, index, item)
+    if item["type"] == "message" and item["content"][0]["text"]:
+        yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                    delta=item["content"][0]["text"], logprobs=[])
+    elif item["type"] == "function_call":
+        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    delta=item["arguments"])
+    yield from closing(event, index, item)
+
+
+async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
+    event, o, finished = writer(), Outcome(), False
+    message = {"type": "message", "id": item_id("msg"), "role": "assistant"}
+    live = job.tool_mode == "none"  # text goes out as released; with tools the answer is parsed at the end
+    try:
+        for name in ("response.created", "response.in_progress"):
+            yield event(name, response=envelope(state, job, "in_progress", []))
+        if live:
+            for chunk in opening(event, 0, message):
+                yield chunk
+        async for _, released in merged(state, job, handles):
+            o.take(released)
+            if live and released.kind == "tokens" and released.text:
+                yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
+                            delta=released.text, logprobs=[])
+        body = response_body(state, job, {job.choices[0].index: o}, message_id=message["id"])
+        for index, item in enumerate(body["output"]):
+            for chunk in closing(event, index, item) if live else whole_item(event, index, item):
+                yield chunk
+        finished = True
+        yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+    except RequestFailed as exc:
+        finished = True
+        abort_all(state, handles, "aborted")
+        failed = {**envelope(state, job, "failed", []), "error": {"code": "server_error" if exc.status >= 500
+                                                                  else "invalid_prompt", "message": exc.message}}
+        yield event("response.failed", response=failed)
+    finally:
+        if not finished:  # the client went away (or the server cancelled us): free the slots now
+            abort_all(state, handles, "disconnect")
+
+
+API = Api(parse, response_body, stream, prompt_param="input")
