@@ -1,10 +1,11 @@
 # `make demo` and `make test` work on a fresh machine: each builds .venv first.
+# `make test` runs the default tier (every area, in minutes); `make test-all` adds the slow tier (CI runs it).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv bench bench-peers models-table vllm-venv llamacpp-venv lmeval-venv clean
+.PHONY: demo test test-all venv bench bench-peers models-table vllm-venv llamacpp-venv lmeval-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +33,11 @@ demo: $(KERNELS)
 	$(BIN)/margingate demo
 
 test: $(KERNELS)
+	$(BIN)/ruff check margingate tests
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Both tiers: the slow one holds the end-to-end runs and the parametrized repeats of what the default tier checks.
+test-all: $(STAMP)
 	$(BIN)/ruff check margingate tests
 	$(BIN)/python -m pytest -q
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2-135M model, loaded once per test session.
+"""Shared fixtures: the embedded SmolLM2-135M model, loaded once per test session, and what several modules
+build from it (the facades, a random-weight model written once).
 
 Threads: the engines built here run at the engine's default, all cores, as a user's
 would. The determinism contract does not depend on the thread count, so no test pins
@@ -8,6 +9,9 @@ it; `determinism/test_contract.py` checks the same tokens at 1 thread and at the
 The server tests' fixtures (`server`, `http`, `client`) live in `server_fixtures.py`, registered here.
 """
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 from server_fixtures import client, http, server, server_idle_after  # noqa: F401  (the server modules' fixtures)
@@ -42,6 +46,23 @@ def exact_llm(model_dir):
     from margingate.llm import LLM
 
     return LLM(max_batch_size=8, weights="exact")
+
+
+@pytest.fixture(scope="session")
+def random_model_script():
+    """scripts/make_random_model.py, imported: random-weight folders of real Llama (and Qwen3-MoE) shapes."""
+    spec = importlib.util.spec_from_file_location(
+        "make_random_model", Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_random_model(random_model_script, model_dir, tmp_path_factory):
+    """The script's `tiny` Llama (hidden 256, 2 layers, seed 3) with the embedded model's tokenizer, written
+    once per session. Tests only read it; one that changes a file copies the folder first."""
+    return random_model_script.make("tiny", tmp_path_factory.mktemp("random") / "tiny", seed=3, progress=False)
 
 
 @pytest.fixture(scope="session")

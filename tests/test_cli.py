@@ -40,6 +40,7 @@ def test_generate_json(capsys):
         assert r["stats"]["policy"] == "margin" and "triggers" in r["stats"] and "tau" in r["stats"]
 
 
+@pytest.mark.slow  # check end to end at two batch sizes (check --policy fast stays)
 def test_check_margin_is_deterministic(capsys):
     """check --policy margin on a slice: 100 % sequence determinism, with the documented keys."""
     code, out, _ = run(capsys, "check", "--policy", "margin", "--limit", "3", "--batch-sizes", "1,3",
@@ -128,6 +129,7 @@ SMALL_BENCH = ("--limit", "4", "--max-new-tokens", "16", "--batch-sizes", "4", "
                "--no-pass-profile")
 
 
+@pytest.mark.slow  # bench end to end, three policies
 def test_bench_small(capsys, tmp_path):
     """bench runs the policies side by side and writes JSON, markdown and a plot."""
     code, out, _ = run(capsys, "bench", *SMALL_BENCH, "--policies", "fast,margin,dvr",
@@ -142,6 +144,7 @@ def test_bench_small(capsys, tmp_path):
     assert list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.slow  # bench beside transformers' generate
 def test_bench_hf_peer_in_the_same_run(capsys, tmp_path):
     """--peers hf runs transformers' generate on the same prompt ids and lengths, in the same table:
     the same 4 x 16 tokens as our policy, each of the 4 outputs judged against HF decoding it alone."""

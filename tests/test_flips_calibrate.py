@@ -122,6 +122,7 @@ def test_traced_reference_and_oracle_write_reference_columns(llm, small, referen
     assert np.all(row["trace"]["dev"][2] == 0)                # step 3 wrote output token 2's column
 
 
+@pytest.mark.slow  # the command end to end, run twice
 def test_flips_command_end_to_end(tmp_path):
     from margingate.cli import main
 
@@ -142,6 +143,7 @@ def test_flips_command_end_to_end(tmp_path):
     assert main(argv) == 0  # a second run reuses the cached runs
 
 
+@pytest.mark.slow  # the command end to end
 def test_calibrate_command_end_to_end(tmp_path):
     from margingate.cli import main
     from margingate.llm import LLM  # noqa: F401  (the facade loads the profile; see below)

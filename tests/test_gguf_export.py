@@ -130,18 +130,11 @@ def _hf_folder(kind: str, out, model_dir):
 @pytest.fixture(scope="module", params=["script-tiny", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
 def plain(request, model_dir, tmp_path_factory):
     """(folder, its exported GGUF read back): a folder of no embedded GGUF (no `source_gguf`)."""
-    import importlib.util
-    from pathlib import Path
-
     from margingate.models.gguf_export import write_bf16_gguf
 
     out = tmp_path_factory.mktemp("plain") / request.param
     if request.param == "script-tiny":
-        path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py"
-        spec = importlib.util.spec_from_file_location("make_random_model", path)
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-        script.make("tiny", out, seed=1, progress=False)
+        request.getfixturevalue("random_model_script").make("tiny", out, seed=1, progress=False)
     else:
         _hf_folder(request.param, out, model_dir)
     gguf_file = write_bf16_gguf(out, out.with_suffix(".gguf"))

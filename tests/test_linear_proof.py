@@ -103,16 +103,16 @@ def test_forcing_a_refused_path_is_an_error_that_says_why():
     assert "the linear path 'avx2' was refused at load" in done.stderr and "outputs differ" in done.stderr
 
 
-def test_selftest_names_each_path_and_fails_on_a_refusal(llm):
+@pytest.mark.slow  # selftest in a fresh process
+def test_selftest_names_each_path_and_fails_on_a_refusal(llm, request):
     """`margingate selftest`: the CPU, each path's proof and the one in use, the reference digest (the
     one this process computes); exit status 1 when a path this CPU has was refused."""
     cli = [sys.executable, "-m", "margingate.cli", "selftest", "--json"]
     if len(K.usable_paths("bf16")) > 1:  # refuse the avx2 path: another bf16 path runs the int8 model's digest
         fault, digest = "avx2", selftest.reference_digest(llm)["digest"]
     else:  # avx2 is this CPU's only bf16 path: refuse the int8 path, and the digest is exact's
-        from margingate.llm import LLM
         fault, cli = "int8-avx2", [*cli, "--weights", "exact"]
-        digest = selftest.reference_digest(LLM(max_batch_size=4, weights="exact"))["digest"]
+        digest = selftest.reference_digest(request.getfixturevalue("exact_llm"))["digest"]
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "MARGINGATE_PROOF_FAULT": fault})
     assert bad.returncode == 1, bad.stderr

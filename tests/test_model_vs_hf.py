@@ -117,6 +117,7 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
 
 
+@pytest.mark.slow  # 8 x 64 tokens through transformers' generate: minutes (the fp32 logits test stays)
 def test_bf16_greedy_matches_transformers(exact_llm, prompts, hf_bf16):
     """Greedy 64 tokens, policy "reference" vs transformers' `generate` one prompt at a
     time: identical, except where transformers' own logits hold an exact near-tie.

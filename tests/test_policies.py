@@ -43,6 +43,7 @@ def test_injected_mismatch_rolls_back_to_the_reference(llm, ids, ref, name):
         assert r.stats["injected"] == 1 and r.stats["rollbacks"] >= 1 and r.stats["missed_flips"] >= 1
 
 
+@pytest.mark.slow  # two margin runs of 8 prompts (the contract runs deferral)
 def test_deferred_margin_shares_passes(llm, ids, ref):
     """Deferral (the default) and verifying each near-tie at once give the same, reference,
     tokens; deferral runs fewer verifier passes, and holds flagged tokens until checked."""

@@ -186,6 +186,7 @@ def exported(model_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the export quantizes all 135M weights
 def test_the_exported_file_holds_the_blocks_the_folder_runs(exported, model_dir):
     """Every matrix is the folder's blocks (Q/K rows in llama.cpp's order); the norms F32."""
     from margingate.models.gguf_export import FILE_TYPES, permute
@@ -206,6 +207,7 @@ def test_the_exported_file_holds_the_blocks_the_folder_runs(exported, model_dir)
             assert np.array_equal(np.array(t.data), quantize_rows(w, t.tensor_type.name, t.name)), t.name
 
 
+@pytest.mark.slow  # five facades over the export
 def test_a_folder_quantized_at_load_gives_its_exported_files_tokens_and_logprobs(exported, model_dir, llm, prompts):
     """LLM(folder, quantize="q4_k") and LLM(its exported GGUF), both under each quantized contract
     (--weights auto: int8; exact), and that GGUF at --weights bf16: under one contract the same tokens and

@@ -115,14 +115,14 @@ def test_a_damaged_quantized_matrix_is_an_error_not_a_wrong_product():
         K.linear(x, short)
 
 
-def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logprobs(llm, prompts):
+@pytest.mark.slow  # two models, 4 prompts x 24 tokens x 2 policies each
+def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logprobs(llm, exact_llm, prompts):
     """`weights="exact"` (Q4_1 matrices, the tied Q8_0 head) against `"bf16"`, greedy, under `reference`
     and `fast` (batched), with logprobs; the report names each group's storage and the contract."""
     from margingate.llm import LLM
     from margingate.options import SamplingParams
 
-    bf16 = LLM(max_batch_size=4, weights="bf16")
-    exact = LLM(max_batch_size=4, weights="exact")
+    bf16, exact = LLM(max_batch_size=4, weights="bf16"), exact_llm
     for kept in (llm, exact):
         assert kept.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
                                                  "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}

@@ -4,27 +4,21 @@ Written at the script's test-only `tiny` size (hidden 256, 2 layers); the 1b/8b 
 against the published Llama parameter counts without writing them."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py"
+
+@pytest.fixture
+def script(random_model_script):
+    return random_model_script
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("make_random_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def tiny(script, model_dir, tmp_path_factory):
-    return script.make("tiny", tmp_path_factory.mktemp("random") / "tiny", seed=3, progress=False)
+@pytest.fixture
+def tiny(tiny_random_model):
+    """The session's `tiny` folder (seed 3, written once: conftest.py)."""
+    return tiny_random_model
 
 
 def _base(model_dir) -> dict:

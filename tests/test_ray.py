@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's pydantic v1 idioms
+# The slow tier: the Ray instance and its workers take minutes on 2 cores. Ray Serve's pydantic v1 idioms warn.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra: pip install 'margingate[ray]'")
 
 from margingate.cli import build_parser  # noqa: E402

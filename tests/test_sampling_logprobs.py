@@ -39,7 +39,8 @@ def lps(result):
     return [(t.token, t.logprob, t.top) for t in result.logprobs]
 
 
-@pytest.mark.parametrize("policy", ["batch-invariant", "margin", "dvr", "verify-all"])
+@pytest.mark.parametrize("policy", ["batch-invariant", *(pytest.param(p, marks=pytest.mark.slow)
+                                              for p in ("margin", "dvr", "verify-all"))])
 def test_logprobs_alone_equal_batched_and_scored(llm, prompts, policy):
     """Guaranteed policies: each request's logprobs in a batch of 8 are bitwise its logprobs alone,
     and bitwise what scoring its output gives (margin and dvr report the verifier's rows)."""
@@ -55,7 +56,7 @@ def test_logprobs_alone_equal_batched_and_scored(llm, prompts, policy):
         assert [t.top for t in score.tokens] == [t.top for t in batched[i].logprobs]
 
 
-@pytest.mark.parametrize("policy", ["margin", "dvr"])
+@pytest.mark.parametrize("policy", ["margin", pytest.param("dvr", marks=pytest.mark.slow)])
 def test_stream_releases_tokens_with_their_logprobs(llm, prompts, policy):
     """`Engine.release` is the one release loop (`stream` here, the server's worker alike): the events of a
     request carry its tokens with their logprobs, and its prompt's logprobs once, and joined they are the

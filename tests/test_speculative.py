@@ -3,10 +3,8 @@ without, greedy and seeded, alone and sharing a batch with plain requests, token
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -57,7 +55,8 @@ def test_ngram_proposes_what_followed_the_latest_match():
 
 
 @pytest.mark.parametrize("policy, sampling", [("batch-invariant", SamplingParams(logprobs=2)),
-                                              ("batch-invariant", SEEDED), ("reference", SamplingParams())],
+                                              ("batch-invariant", SEEDED),
+                                              pytest.param("reference", SamplingParams(), marks=pytest.mark.slow)],
                          ids=["greedy", "seeded", "reference"])
 def test_speculative_equals_plain_bitwise(llm, copying, policy, sampling, monkeypatch):
     """B = 1 and a mixed batch (speculating and plain requests in the same steps): the same tokens
@@ -181,24 +180,12 @@ def test_cli_flags():
                                               "--num-speculative-tokens", "99", "x"]))
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
-    """A random-weight 2-layer Llama with the embedded model's tokenizer (scripts/make_random_model.py)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py"
-    spec = importlib.util.spec_from_file_location("make_random_model", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path_factory.mktemp("draft") / "tiny"
-    script.make("tiny", out, seed=3, progress=False)
-    return out
-
-
 @pytest.mark.parametrize("draft", ["smollm2-135m", "tiny"])
-def test_draft_proposer_equals_plain(copying, tiny_draft, draft, monkeypatch):
+def test_draft_proposer_equals_plain(copying, tiny_random_model, draft, monkeypatch):
     """A draft model proposes; the target decides. The target as its own draft accepts every greedy
     proposal, a random draft almost none: the same tokens either way."""
     llm = feed_every_proposal(LLM(max_batch_size=3, max_model_len=512,
-                                  draft_model=str(tiny_draft) if draft == "tiny" else draft), monkeypatch)
+                                  draft_model=str(tiny_random_model) if draft == "tiny" else draft), monkeypatch)
     spec = SpeculativeConfig("draft", num_tokens=3)
     plain = run(llm, copying[:2], "batch-invariant", SamplingParams(), [None, None], tokens=16)
     before = Request([1]).request_id
@@ -213,9 +200,9 @@ def test_draft_proposer_equals_plain(copying, tiny_draft, draft, monkeypatch):
     assert llm.engine.draft.kv.num_free == 3  # every request gave its draft slot back
 
 
-def test_a_draft_needs_the_targets_tokenizer(tiny_draft, tmp_path):
+def test_a_draft_needs_the_targets_tokenizer(tiny_random_model, tmp_path):
     other = tmp_path / "other-vocab"
-    shutil.copytree(tiny_draft, other)
+    shutil.copytree(tiny_random_model, other)
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
     with pytest.raises(SpeculativeError, match="vocabulary has 1000 tokens") as exc:

@@ -128,6 +128,7 @@ def test_the_cli_prints_the_text_cut_before_the_stop(llm, capsys):
     assert code == 0 and row["text"] == full[:full.index("café")] and row["finish_reason"] == "stop"
 
 
+@pytest.mark.slow  # every policy in turn (the issue case under every policy stays)
 def test_stop_text_and_logprobs_equal_reference_alone_under_every_policy(llm):
     """The stop request alone under `reference` is the answer; under every deterministic policy beside two
     other requests, under margin with a flip injected before the stop (repaired by a rollback), and

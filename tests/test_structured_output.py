@@ -39,7 +39,8 @@ def generate(llm, prompts, samplings, policy="batch-invariant", tokens=48):
 
 
 @pytest.mark.parametrize("constraint, check", [
-    (StructuredOutput(json=PERSON), lambda t: set(json.loads(t)) == {"name", "age"}),
+    pytest.param(StructuredOutput(json=PERSON), lambda t: set(json.loads(t)) == {"name", "age"},
+                 marks=pytest.mark.slow),  # the longest; the server's test below parses a json_schema too
     (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
     (StructuredOutput(regex=r"[0-9]{3}-[0-9]{4}"), lambda t: len(t) == 8 and t[3] == "-"),
     (StructuredOutput(choice=("red", "green", "blue")), lambda t: t in ("red", "green", "blue")),

@@ -65,7 +65,7 @@ def scored(llm, prompts, alone):
     return [s.logprobs for s in llm.score_batch(list(zip(ids, alone)))]
 
 
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("threads", [1, pytest.param(4, marks=pytest.mark.slow)])  # 1 against the default
 def test_same_logprobs_at_any_thread_count(llm, prompts, threads, scored):
     """The logprobs each request reports (of the tokens it generated) are those scored here, bitwise."""
     before = torch.get_num_threads()
@@ -84,6 +84,7 @@ def test_same_logprobs_at_any_thread_count(llm, prompts, threads, scored):
         assert [t.logprob for t in r.logprobs] == want, f"logprobs of request {k} ({policy}) at {threads} threads"
 
 
+@pytest.mark.slow  # a fresh process per path; test_kernels.py holds every path to the scalar order
 @pytest.mark.parametrize("isa", [p for p in PATHS["bf16"] if p != DEFAULT_PATH])
 def test_same_tokens_on_every_linear_path(isa, alone, scored):
     """The other linear paths, forced: the same tokens as the default path's. A path this CPU lacks skips."""
@@ -111,6 +112,7 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
 """
 
 
+@pytest.mark.slow  # two fresh processes
 def test_samples_do_not_depend_on_torchs_cpu_kernels():
     """Seeded sampling still runs torch's CPU kernels: its generator draws the Gumbel noise's uniforms
     (mt19937: one stream on every ISA) and its ops divide by the temperature, sort and mask for the

@@ -4,6 +4,7 @@ batch. The cases are the axes the promise spans, one at a time: batch mode and s
 one prompt 4 times), threads (1 against the session's default, all cores), prefill (whole; chunked, so
 prompt chunks share steps with decode rows), the prefix cache (a hit against a cold run) and staggered
 arrivals (requests joining a running batch, beside `fast` ones). `reference` in a batch is one of them.
+`make test` runs every policy on hetero-8 and every case under one policy (DEFAULT_TIER); `make test-all` every pair.
 
 The policies come from `deterministic_policies()`, so a new one is held to the contract as soon as it
 says it promises it. Below the contract, the inverse controls: runs that must break it, so that the
@@ -104,8 +105,18 @@ CASES = {"hetero-8": hetero_8, "homo-4": homo_4, "1-thread": one_thread, "chunke
          "prefix-hit": prefix_hit, "staggered": staggered}
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("policy", POLICIES)
+# The default tier (`make test`) runs every policy on hetero-8 and each other case once, under the policy named
+# here (each policy once, the cheaper pairings); the slow tier (`make test-all`) runs every other pair.
+DEFAULT_TIER = {"homo-4": "reference", "1-thread": "margin", "chunked-prefill": "dvr", "prefix-hit": "batch-invariant",
+                "staggered": "verify-all"}
+
+
+def policy_case_pairs() -> list:
+    return [pytest.param(policy, case, marks=() if case == "hetero-8" or DEFAULT_TIER[case] == policy
+                         else pytest.mark.slow) for case in CASES for policy in POLICIES]
+
+
+@pytest.mark.parametrize("policy, case", policy_case_pairs())
 def test_same_tokens_as_the_reference_alone(llm, ids, alone, policy, case):
     """The contract: each request of the case, under `policy`, equals its prompt decoded alone by `reference`."""
     threads = torch.get_num_threads()
@@ -126,6 +137,7 @@ def test_control_fast_flips_in_a_batch(llm, ids):
         assert_same_tokens(out, Alone(llm, NEW, "fast").of(out, NEW), "fast, hetero-8")
 
 
+@pytest.mark.slow  # fp32 layer by layer, each prompt alone too: the contract module's longest run
 def test_control_a_library_kernel_is_caught(llm, ids, monkeypatch):
     """Inverse control: torch's fp32 GEMM (MKL / oneDNN, which pick their algorithm by the number of rows)
     swapped into the invariant kernel set, which every deterministic policy runs: `batch-invariant` over the
