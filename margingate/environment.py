@@ -11,6 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .kernels import VERSION as KERNELS_VERSION
 
+# Fields that describe this start of the model (how long it took, whether its packed matrices came from the
+# cache), not what the contract depends on: two starts of the same setup differ in them.
+START_FIELDS = ("load_seconds", "weights_cache")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the library's kernels
 # llguidance decides a constrained request's tokens (its masks); gguf reads a GGUF model's values
 PACKAGES = ("margingate", "numpy", "transformers", "tokenizers", "llguidance", "gguf")
@@ -43,6 +46,11 @@ def environment_record(llm, num_threads: int | None = None) -> dict:
             # ("hit"), packed at this start ("miss") or not cached at all (None: bf16 weights, Triton)
             "load_seconds": round(llm.load_seconds, 3), "weights_cache": llm.weights_cache,
             "python": platform.python_version(), "packages": package_versions()}
+
+
+def contract_part(env: dict) -> dict:
+    """A record without its START_FIELDS: what two runs of the same setup must agree on."""
+    return {k: v for k, v in env.items() if k not in START_FIELDS}
 
 
 def kept_quantized(env: dict) -> bool:
