@@ -307,6 +307,7 @@ def test_a_tokenizer_that_is_not_byte_level_bpe_is_refused(tmp_path):
         add_tokenizer(None, tmp_path, 1)
 
 
+@pytest.mark.slow  # test_moe_grouped.py holds the MoE layer's bits in the default tier
 def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(model_dir, tmp_path, monkeypatch):
     """A mixture of experts written as a Q8_0 GGUF (experts stacked, as llama.cpp reads them) loads with
     its experts kept quantized, one GGUFMatrix per expert, and gives the tokens and logprobs of the folder

@@ -105,7 +105,8 @@ def _logits(folder, tokens):
                          dtype=torch.float32)
 
 
-@pytest.mark.parametrize("arch,qtype,parts", [("llama", "Q8_0", 2), ("qwen2", "F16", 1)])
+@pytest.mark.parametrize("arch,qtype,parts", [("llama", "Q8_0", 2),
+                                              pytest.param("qwen2", "F16", 1, marks=pytest.mark.slow)])
 def test_gguf_file_loads_as_its_source(arch, qtype, parts, tmp_path, cache):
     """F16 holds the weights exactly: every tensor comes back bitwise (Qwen2's biases) and the
     forward matches transformers' within 1e-4. Q8_0 comes back within its block error (Llama's Q/K

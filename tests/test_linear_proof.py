@@ -123,6 +123,7 @@ def test_selftest_names_each_path_and_fails_on_a_refusal(llm, request):
     assert report["reference"]["digest"] == digest
 
 
+@pytest.mark.slow  # compiles every ISA unit with a stand-in compiler: about 40 s on 2 cores
 def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
     """A compiler without a target (GCC < 11 has no AMX intrinsics) leaves that unit out and reports
     the path "not built"; the other units and the dispatcher still compile (no MG_BUILT_* macros)."""

@@ -135,6 +135,7 @@ def test_triton_attention_indexes_each_rows_slot_and_length(window):
     assert torch.equal(mt.attention(q[perm], kc, vc, slots[perm], lengths[perm], 0.2, window=window), batch[perm])
 
 
+@pytest.mark.slow  # Triton's interpreter, one row at a time (the compiled path's: test_kv_and_rows.py)
 def test_triton_attention_prompt_chunked_token_by_token():
     """A prompt's positions in one call, in chunks, one by one, and mixed with another slot's rows
     (a verifier pass): the same bits. The cache holds the whole prompt throughout (causality is the
