@@ -105,16 +105,9 @@ def test_every_architecture_is_measured_here():
 def test_compiled_stack_equals_the_layer_path(name, tmp_path):
     """The stack reads the same LayerSpec as the Python layer: logits and every K/V column equal, bitwise, for
     prompt rows of three requests at mixed positions and a batched decode step."""
-    from test_model_family import _fused_and_layered
+    from test_model_family import assert_stack_equals_layers
 
     _hf_model(name, tmp_path / name)
     folder = resolve_model_dir(str(tmp_path / name))
-    model = build_model(load_config(folder), load_state_dict(folder, torch.bfloat16))
-    g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (60,), generator=g)
-    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
-    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
-    decode = torch.randint(0, SHAPE["vocab_size"], (3,), generator=g)
-    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
-    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
-    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
+    assert_stack_equals_layers(build_model(load_config(folder), load_state_dict(folder, torch.bfloat16)),
+                               SHAPE["vocab_size"], seed=2)

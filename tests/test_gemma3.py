@@ -139,14 +139,6 @@ def test_compiled_stack_equals_the_layer_by_layer_forward(gemma):
     tables, sliding windows crossed) gives the Python path's bits: logits and every K/V column,
     for prompt rows of three requests (up to 30 positions, past the 8-key window) and a batched
     decode step."""
-    from test_model_family import _fused_and_layered
+    from test_model_family import assert_stack_equals_layers
 
-    _, ours, _ = gemma
-    g = torch.Generator().manual_seed(4)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (60,), generator=g)
-    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
-    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
-    decode = torch.randint(0, SHAPE["vocab_size"], (3,), generator=g)
-    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(ours, tokens, positions, slots, decode)
-    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
-    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
+    assert_stack_equals_layers(gemma[1], SHAPE["vocab_size"], seed=4)

@@ -205,18 +205,23 @@ def _fused_and_layered(model: DecoderModel, tokens: torch.Tensor, positions: tor
     return results
 
 
+def assert_stack_equals_layers(model: DecoderModel, vocab_size: int, seed: int) -> None:
+    """`_fused_and_layered` on prompt rows of three requests at mixed positions (30, 10 and 20 tokens) and a
+    batched decode step: logits and every K/V column equal, bitwise, and not all zero."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (60,), generator=g)
+    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
+    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
+    decode = torch.randint(0, vocab_size, (3,), generator=g)
+    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
+    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
+    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-bias", "qwen3"])
 def test_compiled_stack_equals_the_layer_by_layer_forward(kind, tmp_path):
     """The whole decoder stack in one compiled call (RoPE, K/V writes and residual adds done in
     C++) gives the Python path's bits: logits and every K/V column, with and without biases,
     for prompt rows of three requests at mixed positions and a batched decode step."""
     _, folder = _hf_model(kind, tmp_path)
-    model = _load(folder)
-    torch.manual_seed(1)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (60,))
-    positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
-    slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
-    decode = torch.randint(0, SHAPE["vocab_size"], (3,))
-    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
-    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
-    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
+    assert_stack_equals_layers(_load(folder), SHAPE["vocab_size"], seed=1)
