@@ -21,6 +21,7 @@ from margingate.cli import build_parser  # noqa: E402
 from margingate.commands.check import Checker  # noqa: E402
 from margingate.distributed.offline import WorkerPool  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
+from margingate.environment import contract_part  # noqa: E402
 from margingate.options import PolicySpec  # noqa: E402
 
 TOKENS = 16
@@ -162,6 +163,7 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
                         == len(texts)), "the replicas' metrics do not add up to the requests served"
         for (text, ids, report, env), (text0, ids0, report0, env0) in zip(got, expected):
             assert (text, ids, report) == (text0, ids0, report0)
-            assert env["num_threads"] == 1 and {**env, "num_threads": 0} == {**env0, "num_threads": 0}
+            assert env["num_threads"] == 1
+            assert {**contract_part(env), "num_threads": 0} == {**contract_part(env0), "num_threads": 0}
     finally:
         serve.shutdown()
