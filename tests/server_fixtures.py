@@ -65,6 +65,25 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def weather_agent(agents, model, answer: str = "sunny, 21 degrees", **behaviour):
+    """openai-agents' `agents` module, a weather tool answering `answer`, and a factory of agents over `model`
+    (a name, or a model object) that use it: (the cities asked so far, agent(**model settings))."""
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return answer
+
+    def agent(**settings):
+        return agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                            model=model, model_settings=agents.ModelSettings(
+                                max_tokens=48, extra_body={"determinism": {"policy": "batch-invariant"}}, **settings),
+                            **behaviour)
+    return asked, agent
+
+
 @pytest.fixture(scope="module")
 def server(llm):
     """One server per module: SLOTS slots, 512 positions, a queue of 32."""

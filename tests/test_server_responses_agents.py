@@ -13,7 +13,7 @@ from pydantic import BaseModel
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import MODEL  # noqa: E402
+from server_fixtures import MODEL, weather_agent  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}}
 
@@ -37,22 +37,11 @@ def agents(server):
 
 
 def test_an_agent_with_a_function_tool_runs_over_responses(agents):
-    asked = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return "sunny, 21 degrees"
-
-    def agent(**settings):
-        return agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                            model=MODEL, model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI, **settings),
-                            tool_use_behavior="stop_on_first_tool")
+    asked, agent = weather_agent(agents, MODEL, tool_use_behavior="stop_on_first_tool")
     forced = agents.Runner.run_sync(agent(tool_choice="required"), "What is the weather in Paris?", max_turns=2)
     assert asked == ["Paris"] and forced.final_output == "sunny, 21 degrees"
     assert [r.response_id[:5] for r in forced.raw_responses] == ["resp_"]  # served by /v1/responses
-    typed = agents.Agent(name="colour", instructions="Answer with a colour.", tools=[get_weather], model=MODEL,
+    typed = agents.Agent(name="colour", instructions="Answer with a colour.", tools=agent().tools, model=MODEL,
                          output_type=Colour, model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI))
     free = agents.Runner.run_sync(typed, "What colour is the sky?", max_turns=2)
     assert isinstance(free.final_output, Colour) and not asked[1:]
@@ -62,17 +51,8 @@ def test_an_agent_loop_sends_each_call_and_its_output_back(agents):
     """The default tool_use_behavior: each call's output goes back as openai-agents writes the items
     (function_call, function_call_output) and the model is asked again. The embedded model, asked again under
     auto, calls the tool again, turn after turn, so the run ends at max_turns; every turn's request was served."""
-    asked = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return "sunny"
-
-    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                         model=MODEL,
-                         model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI, tool_choice="required"))
+    asked, weather = weather_agent(agents, MODEL, answer="sunny")
+    agent = weather(tool_choice="required")
     with pytest.raises(agents.MaxTurnsExceeded):
         agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert len(asked) == 3 and asked[0] == "Paris"

@@ -11,7 +11,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import MODEL, chat  # noqa: E402
+from server_fixtures import MODEL, chat, weather_agent  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -24,21 +24,9 @@ def test_openai_agents_function_tools_run(server):
     the same tool again, turn after turn); and an agent left at auto answering a question in text."""
     agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
     agents.set_tracing_disabled(True)
-    asked = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return "sunny, 21 degrees"
-
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
-
-    def agent(**settings):
-        return agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                            model=model, model_settings=agents.ModelSettings(max_tokens=48, extra_body=BI, **settings),
-                            tool_use_behavior="stop_on_first_tool")
+    asked, agent = weather_agent(agents, agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                                 tool_use_behavior="stop_on_first_tool")
     forced = agents.Runner.run_sync(agent(tool_choice="required"), "What is the weather in Paris?", max_turns=2)
     assert asked == ["Paris"] and forced.final_output == "sunny, 21 degrees"
     free = agents.Runner.run_sync(agent(), "What is 2 + 2?", max_turns=2)
