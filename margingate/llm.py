@@ -59,10 +59,11 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
-                 max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_num_seqs: int = 64,
+                 max_model_len: int | None = None, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
-                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None):
+                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None,
+                 kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16):
         started = time.perf_counter()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
@@ -82,12 +83,15 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
-                                                      prefix_cache_tokens), lambda: self.default_policy)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
+                              prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
+                              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                              kv_block_size=kv_block_size)
+        self.engine = Engine(self.model, config, lambda: self.default_policy)
         self.engine.detokenize = text_decoder(self.tokenizer.hf)
         self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
-            self.engine.draft = self._load_draft(draft_model, max_batch_size)
+            self.engine.draft = self._load_draft(draft_model, max_num_seqs)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):
@@ -107,12 +111,12 @@ class LLM:
         there yet: what the peers (transformers, vLLM, a BF16 GGUF for llama.cpp) read."""
         return resolve_model_dir(self.model_name)
 
-    def _load_draft(self, name: str, slots: int) -> DraftModel:
+    def _load_draft(self, name: str, max_requests: int) -> DraftModel:
         """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
-        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels), slots,
+        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels), max_requests,
                           self.engine.max_len)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:

@@ -44,7 +44,7 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {report['host']['cpu']}, {report['host']['cpus']} cores; the server at its default threads "
         f"({env.get('num_threads')} torch threads = all cores), torch {env.get('torch')}, kernels "
-        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_batch_size']}, queue "
+        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_num_seqs']}, queue "
         f"{cfg['max_queue']}, prefix cache on. `\"deterministic\": true` is `auto` = "
         f"`{report['auto_resolves_to']}` here. Requests stream (SSE), {cfg['max_tokens']} tokens each "
         f"(ignore_eos, greedy); latency: request sent to `[DONE]`; TTFT: to the first token released. "

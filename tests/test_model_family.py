@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 import torch
+from kv_helpers import request_pool
 from safetensors.torch import load_file, save_file
 
 from margingate.kernels.choice import KernelChoice
 from margingate.models.decoder import AttentionPlan, DecoderModel
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 from margingate.models.weights import WeightsError
 
@@ -64,15 +64,18 @@ def test_family_matches_transformers(kind, kernel_choice, tmp_path):
     assert config.attention_bias == (kind in ("qwen2", "llama-bias"))
     ours = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (20,))
-    kv = KVCache(config.num_layers, 2, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
-    logits = ours.forward(tokens, torch.arange(20), torch.zeros(20, dtype=torch.long), AttentionPlan.all_exact(20),
+    kv, tables = request_pool(config, 2, 64, torch.float32)
+    logits = ours.forward(tokens, torch.arange(20), tables, torch.zeros(20, dtype=torch.long),
+                          AttentionPlan.all_exact(20),
                           kv, dtype=torch.float32, kernel_choice=kernel_choice)
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     assert (logits - expected).abs().max() < 1e-4
     nxt = torch.tensor([int(expected[-1].argmax())])
-    for plan in (AttentionPlan(exact=[0]), AttentionPlan(batched=[0])):
-        row = ours.forward(nxt, torch.tensor([20]), torch.zeros(1, dtype=torch.long), plan, kv, dtype=torch.float32,
+    for plan in (AttentionPlan(exact=[0]),
+                 AttentionPlan(batched=[0])):
+        row = ours.forward(nxt, torch.tensor([20]), tables, torch.zeros(1, dtype=torch.long), plan, kv,
+                           dtype=torch.float32,
                            kernel_choice=kernel_choice)
         with torch.no_grad():
             want = hf(torch.cat([tokens, nxt])[None]).logits[0, -1].float()
@@ -102,9 +105,10 @@ def _load(folder):
 
 def _logits(model, tokens):
     cfg = model.config
-    kv = KVCache(cfg.num_layers, 1, 32, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    kv, tables = request_pool(cfg, 1, 32, torch.bfloat16)
     n = tokens.shape[0]
-    return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
+    return model.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
+                         AttentionPlan.all_exact(n), kv)
 
 
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
@@ -196,10 +200,10 @@ def _fused_and_layered(model: DecoderModel, tokens: torch.Tensor, positions: tor
     for fused in (True, False):
         model.fused = fused
         cfg = model.config
-        kv = KVCache(cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
-        prompt = model.forward(tokens, positions, slots, AttentionPlan.all_exact(len(tokens)), kv)
+        kv, tables = request_pool(cfg, 3, 64, torch.bfloat16)
+        prompt = model.forward(tokens, positions, tables, slots, AttentionPlan.all_exact(len(tokens)), kv)
         ends = torch.tensor([int(positions[slots == s].max()) + 1 for s in range(3)])
-        step = model.forward(decode, ends, torch.arange(3), AttentionPlan(batched=[0, 1, 2]), kv)
+        step = model.forward(decode, ends, tables, torch.arange(3), AttentionPlan(batched=[0, 1, 2]), kv)
         results.append((torch.cat((prompt, step)), kv.k, kv.v))
     model.fused = True
     return results

@@ -43,7 +43,7 @@ def test_disconnect_mid_stream_frees_slot(server, http):
         lines = r.iter_lines()
         got = [line for _, line in zip(range(6), lines)]
         assert any(line.startswith("data: ") for line in got)
-        assert server.engine.load.free_slots < server.engine.config.max_batch_size  # it holds a slot
+        assert server.engine.load.free_slots < server.engine.config.max_num_seqs  # it holds a slot
     assert poll(lambda: is_idle(server), 30)
     # aborted, not run to its 400 tokens
     assert server.state.metrics.value("client_disconnects_total") == before + 1
@@ -252,7 +252,7 @@ def test_cli_serve_sigterm(tmp_path):
     threads = os.environ.get("MARGINGATE_TEST_THREADS", "1")
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "margingate", "serve", "--port", str(port), "--threads", threads,
-                             "--max-model-len", "256", "--max-batch-size", "2", "--log-level", "warning"],
+                             "--max-model-len", "256", "--max-num-seqs", "2", "--log-level", "warning"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

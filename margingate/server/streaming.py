@@ -1,6 +1,6 @@
 """The streaming answer: server-sent events, one chunk per released delta of each choice (tagged
 with its index, carrying its logprobs), each choice's last chunk with its determinism report,
-usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV slots at once."""
+usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV blocks at once."""
 from __future__ import annotations
 
 import json
@@ -109,13 +109,13 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
         yield sse(error_body(exc.message, kind, code=str(exc.status)))
         yield DONE
     finally:
-        if not finished:  # the client went away (or the server cancelled us): free the slots now
+        if not finished:  # the client went away (or the server cancelled us): free the KV blocks now
             abort_all(state, handles, "disconnect")
 
 
 class EventStream(StreamingResponse):
     """SSE response that aborts its requests however the response ends (client gone before the
-    first chunk included): an aborted request's KV slot is freed at once."""
+    first chunk included): an aborted request's KV blocks are freed at once."""
 
     def __init__(self, worker: EngineWorker, handles: list[Handle], content):
         super().__init__(content, media_type="text/event-stream",
