@@ -259,13 +259,13 @@ async def disconnects(run: Runner, prompts, args) -> dict:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 30:
             m = await run.metrics(client)
-            if m.get("margingate_kv_slots_free") == args.max_num_seqs and not m.get("margingate_in_flight_requests"):
+            if m.get("margingate_kv_blocks_used") == 0 and not m.get("margingate_in_flight_requests"):
                 break
             await asyncio.sleep(0.02)
         freed = time.perf_counter() - t0
         delta = {k: m.get(k, 0.0) - before.get(k, 0.0) for k in m}
     return {"streams": n, "disconnects_counted": int(delta.get("margingate_client_disconnects_total", 0)),
-            "all_slots_free_after_s": round(freed, 3), "slots_free": int(m.get("margingate_kv_slots_free", -1))}
+            "all_blocks_free_after_s": round(freed, 3), "blocks_used": int(m.get("margingate_kv_blocks_used", -1))}
 
 
 async def burst(run: Runner, prompts, args) -> dict:

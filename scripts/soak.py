@@ -228,7 +228,7 @@ async def run(url: str, pid: int | None, args) -> dict:
 
 def summary(soak: Soak, health: dict, wall: float, args) -> dict:
     c = soak.counts
-    idle = health["in_flight"] == 0 and (args.url is not None or health["kv_slots_free"] == args.max_num_seqs)
+    idle = health["in_flight"] == 0 and (args.url is not None or health["kv_blocks_used"] == 0)
     return {"seconds": round(wall, 1), "requests": c["requests"], "served": c["served"],
             "tokens_served": c["tokens"], "status_4xx": c["4xx"], "status_5xx": c["5xx"],
             "statuses": dict(sorted(soak.statuses.items())), "bad_requests": c["bad_requests"],
@@ -238,7 +238,7 @@ def summary(soak: Soak, health: dict, wall: float, args) -> dict:
                           "every guaranteed answer (any deterministic policy, streamed or not) compared with it",
             "deterministic_checked": c["checked"], "deterministic_equal": c["equal"],
             "problems": c["problems"], "problem_examples": soak.problems,
-            "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_slots_free")},
+            "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_blocks_used")},
             "ok": c["5xx"] == 0 and c["problems"] == 0 and c["checked"] == c["equal"] and idle}
 
 

@@ -101,7 +101,7 @@ def attend(q, kc, vc, slots, lengths, scale, window=0):
         return out
 
     none = torch.empty(0, device=DEV)
-    return attend(q, (pages(kc), pages(vc), none, none), tables, slots, lengths, scale, window=window)
+    return mt.attention(q, (pages(kc), pages(vc), none, none), tables, slots, lengths, scale, window=window)
 
 
 def reference_attention(q, k_cache, v_cache, slots, lengths, scale, window=0):
@@ -172,16 +172,21 @@ def test_triton_attention_prompt_chunked_token_by_token():
     assert torch.equal(attend(mixed_q, kc, vc, mixed_slots, mixed_lengths, 0.2)[5:], whole[60:70])
 
 
-def test_triton_attention_reads_one_layer_of_the_cache():
-    from margingate.models.kv_cache import KVCache
+def test_triton_attention_reads_one_layer_of_the_pool():
+    """Through a KV pool's layer view (strided into [layers, blocks, ...]) the kernel reads what it reads from
+    that layer alone."""
+    from margingate.models.kv_cache import KVPool
 
-    cache = KVCache(num_layers=2, num_slots=S, max_len=L, num_kv_heads=HKV, head_dim=D, dtype=torch.bfloat16,
-                    device=DEV)
+    pool = KVPool(num_layers=2, num_blocks=S * L // 16, block_size=16, num_kv_heads=HKV, head_dim=D, device=DEV)
+    tables = pool.tables_for(S, L)
     kc, vc = caches()
-    cache.k[1], cache.v[1] = kc, vc
+    for s in range(S):
+        for b in range(L // 16):
+            blk = int(tables[s, b])
+            pool.k[1, blk], pool.v[1, blk] = kc[s, :, 16 * b:16 * b + 16], vc[s, :, 16 * b:16 * b + 16]
     q = randn(3, H, D, dtype=torch.bfloat16, seed=16)
     slots, lengths = torch.tensor([2, 0, 1], device=DEV), torch.tensor([65, 1, 130], device=DEV)
-    assert torch.equal(attend(q, cache.k[1], cache.v[1], slots, lengths, 0.2),
+    assert torch.equal(mt.attention(q, pool.layer(1), tables, slots, lengths, 0.2),
                        attend(q, kc, vc, slots, lengths, 0.2))
 
 

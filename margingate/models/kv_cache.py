@@ -81,8 +81,9 @@ class KVPool:
     def write(self, li: int, tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows' K and V [N, kv_heads, head_dim] into layer `li` at their positions of their block tables: the
-        compiled write on CPU (the stack's own, so both paths leave the same bytes), indexing elsewhere."""
-        if self.k.device.type == "cpu":
+        compiled write for a bf16 or int8 cache on CPU (the stack's own, so both paths leave the same bytes),
+        indexing elsewhere (an fp32 cache keeps fp32 rows)."""
+        if self.k.device.type == "cpu" and self.dtype != "float32":
             invariant.kv_write(self.layer(li), k.to(torch.bfloat16), v.to(torch.bfloat16), tables, table_of,
                                positions)
             return
