@@ -104,7 +104,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="int8: each position's K and V quantized per head with an fp32 scale (half the bytes)")
     p.add_argument("--kv-block-size", type=positive_int, default=16, metavar="N", help="positions per KV block")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
-                   help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
+                   help="prompt positions per request per step, sharing steps with decode rows (default: as many "
+                        "as --max-num-batched-tokens leaves)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, metavar="N",
+                   help="rows per step: every decode row, then prompt chunks, oldest request first")
 
 
 def add_quantize_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -268,4 +271,4 @@ def llm(args, max_num_seqs: int):
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
                prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0,
                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-               kv_block_size=args.kv_block_size)
+               kv_block_size=args.kv_block_size, max_num_batched_tokens=args.max_num_batched_tokens)

@@ -63,7 +63,8 @@ class LLM:
                  max_model_len: int | None = None, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
                  kernels: str = "auto", weights: str = "auto", quantize: str | None = None,
-                 kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16):
+                 kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16,
+                 max_num_batched_tokens: int = 4096):
         started = time.perf_counter()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
@@ -86,12 +87,12 @@ class LLM:
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
                               prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
                               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                              kv_block_size=kv_block_size)
+                              kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens)
         self.engine = Engine(self.model, config, lambda: self.default_policy)
         self.engine.detokenize = text_decoder(self.tokenizer.hf)
         self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         if draft_model is not None:
-            self.engine.draft = self._load_draft(draft_model, max_num_seqs)
+            self.engine.draft = self._load_draft(draft_model)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):
@@ -111,13 +112,13 @@ class LLM:
         there yet: what the peers (transformers, vLLM, a BF16 GGUF for llama.cpp) read."""
         return resolve_model_dir(self.model_name)
 
-    def _load_draft(self, name: str, max_requests: int) -> DraftModel:
+    def _load_draft(self, name: str) -> DraftModel:
         """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
-        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels), max_requests,
-                          self.engine.max_len)
+        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels),
+                          self.engine.config)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);

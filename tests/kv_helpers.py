@@ -9,12 +9,12 @@ from margingate.models.kv_cache import KVPool, blocks_for
 DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def request_pool(config, count: int, length: int, dtype: torch.dtype = torch.bfloat16,
+def request_pool(config, count: int, length: int, dtype: torch.dtype | str = torch.bfloat16,
                  block: int = 16, device: str = "cpu") -> tuple[KVPool, torch.Tensor]:
     """A pool with `count` block tables of `length` positions ([count, W]): a forward's rows pass their
-    request's index as `table_of`."""
+    request's index as `table_of`. `dtype`: a torch dtype (bf16, fp32) or a KV dtype name ("int8")."""
     pool = KVPool(config.num_layers, count * blocks_for(length, block), block, config.num_kv_heads,
-                  config.head_dim, DTYPES[dtype], device)
+                  config.head_dim, DTYPES.get(dtype, dtype), device)
     return pool, pool.tables_for(count, length)
 
 

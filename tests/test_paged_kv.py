@@ -136,3 +136,25 @@ def test_an_int8_cache_is_batch_invariant_and_close_to_bf16(llm, ids, contiguous
     assert run(engine(llm, kv_cache_dtype="int8", max_num_seqs=4), ids, "j") == alone
     agree = sum(a == b for (t8, _), (t16, _) in zip(alone, contiguous) for a, b in zip(t8, t16))
     assert agree >= 0.75 * len(ids) * NEW
+
+
+def test_a_step_budget_spreads_a_long_prompt_over_steps_beside_decoding(llm, ids, contiguous):
+    """With `max_num_batched_tokens` 40, a running request decodes every step while a longer prompt is prefilled
+    over several steps in the rows left: each request keeps the bits it has alone."""
+    eng = engine(llm, max_num_seqs=2, max_num_batched_tokens=40)
+    first = eng.add_request(Request(ids[0], NEW, ignore_eos=True, request_id="d", sampling=SamplingParams(logprobs=2)))
+    while not first.output_ids:
+        eng.step()
+    second = eng.add_request(Request(ids[2], NEW, ignore_eos=True, request_id="p", sampling=SamplingParams(logprobs=2)))
+    steps = 0
+    while second.prefilling or second.cache is None:
+        decoded = len(first.output_ids)
+        eng.step()
+        steps += 1
+        assert len(first.output_ids) == decoded + 1 and second.prefilled <= 39 * steps
+    assert steps >= -(-len(ids[2]) // 39)
+    while eng.has_work:
+        eng.step()
+    for seq, want in ((first, contiguous[0]), (second, contiguous[2])):
+        r = eng.result(seq)
+        assert (r.token_ids, list(r.logprobs)) == want

@@ -8,12 +8,16 @@ wrong or slow draft costs speed, never a token.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..kernels.choice import KernelChoice
 from ..models.decoder import DecoderModel
-from ..models.kv_cache import BlockTable, KVPool, blocks_for
+from ..models.kv_cache import BlockTable
+from ..options.engine import EngineConfig
 from ..options.speculative import SpeculativeError
+from .pool import build_pool
 from .proposers import Proposer
 from .runner import Runner, Span
 from .sampling import choose
@@ -33,12 +37,9 @@ def check_draft(target_vocab: int, draft_vocab: int, same_tokenizer: bool) -> No
 class DraftModel:
     """A loaded draft model and its KV pool, shared by the requests that speculate with it."""
 
-    def __init__(self, model: DecoderModel, max_requests: int, max_len: int):
-        mc = model.config
-        block = 16
-        # reserved, not touched: room for every request at the full context, pages resident as used
-        self.kv = KVPool(mc.num_layers, max_requests * blocks_for(max_len, block), block, mc.num_kv_heads,
-                         mc.head_dim, "bfloat16", model.device)
+    def __init__(self, model: DecoderModel, config: EngineConfig):
+        # sized as the target's pool is (engine/pool.py), in bf16: reserved, pages resident as used
+        self.kv = build_pool(model, replace(config, kv_cache_dtype="bfloat16"))
         self.runner = Runner(model, self.kv)
 
     def proposer(self) -> DraftProposer:

@@ -156,12 +156,12 @@ class Engine:
         for seq in self.scheduler.admit():
             self._start(seq)
         try:
-            prefills, batch = self._plan()
+            prefills, batch = self.scheduler.plan(self.config.max_num_batched_tokens, self.config.prefill_chunk)
             if not prefills and not batch:
                 self.step_count += 1
                 return self._finished
             rows = self._speculate(batch)
-            prefills, batch = self._reserve(prefills, batch)
+            prefills, batch = self.scheduler.reserve_step(prefills, batch)
             t = time.perf_counter()
             out = self.runner.step(prefills, batch)
             seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
@@ -179,21 +179,6 @@ class Engine:
             seq.cache.truncate(seq.num_tokens)
         self.step_count += 1
         return self._finished
-
-    def _plan(self) -> tuple[list[tuple[Sequence, int, int]], list[Sequence]]:
-        """This step's prompt chunks (seq, start, end) and decoding requests."""
-        chunk, running = self.config.prefill_chunk, self.scheduler.running
-        prefills = [(s, s.prefilled, s.prefill_end if chunk is None else min(s.prefill_end, s.prefilled + chunk))
-                    for s in running if s.prefilling]
-        return prefills, [s for s in running if not s.prefilling and s.finish_reason is None]
-
-    def _reserve(self, prefills: list, batch: list[Sequence]) -> tuple[list, list[Sequence]]:
-        """Blocks for every position this step writes, oldest request first; a request preempted to make
-        room (scheduler.py) sits this step out."""
-        writes = {id(s): (s, a, b) for s, a, b in prefills}
-        writes.update({id(s): (s, s.last_fed_pos, s.next_pos + len(s.drafts)) for s in batch})
-        self.scheduler.reserve([writes[id(s)] for s in self.scheduler.running if id(s) in writes])
-        return [p for p in prefills if p[0].cache is not None], [s for s in batch if s.cache is not None]
 
     def _start(self, seq: Sequence) -> None:
         """A request just got its blocks: start its prompt where a sibling's or a cached prefix ends."""

@@ -63,6 +63,27 @@ class Scheduler:
             return False
         return sibling.cache is None or sibling.prefilled < sibling.prompt_len - 1
 
+    def plan(self, max_rows: int, chunk: int | None) -> tuple[list[tuple[Sequence, int, int]], list[Sequence]]:
+        """This step's prompt chunks (seq, start, end), oldest first, within the rows the decoding requests leave
+        of `max_rows` (and at most `chunk` per request); and the decoding requests."""
+        batch = [s for s in self.running if not s.prefilling and s.finish_reason is None]
+        budget, chunk = max_rows - len(batch), chunk or 1 << 62
+        prefills = []
+        for s in self.running:
+            rows = min(s.prefill_end - s.prefilled, chunk, budget) if s.prefilling else 0
+            if rows > 0:
+                prefills.append((s, s.prefilled, s.prefilled + rows))
+                budget -= rows
+        return prefills, batch
+
+    def reserve_step(self, prefills: list, batch: list[Sequence]) -> tuple[list, list[Sequence]]:
+        """Blocks for every position this step writes (a decode row's proposals included), oldest request
+        first; a request preempted to make room sits the step out."""
+        writes = {id(s): (s, a, b) for s, a, b in prefills}
+        writes.update({id(s): (s, s.last_fed_pos, s.next_pos + len(s.drafts)) for s in batch})
+        self.reserve([writes[id(s)] for s in self.running if id(s) in writes])
+        return [p for p in prefills if p[0].cache is not None], [s for s in batch if s.cache is not None]
+
     def reserve(self, writes: list[tuple[Sequence, int, int]]) -> None:
         """Blocks for this step's writes (seq, start, end), in the order given (oldest first); when the pool
         runs out, the newest running request is preempted, until the write fits or its own request was."""

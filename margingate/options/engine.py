@@ -16,7 +16,9 @@ class EngineConfig:
     kv_block_size: int = 16       # positions per KV block
     kv_cache_dtype: str = "bfloat16"  # or "int8": each position's K and V per head with an fp32 scale
     num_threads: int | None = None  # torch CPU threads; None: all cores
-    prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
+    prefill_chunk: int | None = None  # prompt positions per request per step; None: as many as the budget allows
+    # rows per step, decode rows first, then prompt chunks (a long prompt is prefilled over several steps)
+    max_num_batched_tokens: int = 4096
     prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
     # speculative rows only where the step profile says they pay (step_profile.py); False: every
     # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
@@ -27,6 +29,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -5,6 +5,7 @@ number of the K and V cache: 1 F16, 8 Q8_0). The prompt is prefilled in one llam
 (llama.cpp's own chunking, n_batch = n_ubatch = 512 as its default), then `new` greedy steps of one row.
 RESULT: prefill seconds, decode seconds, the greedy tokens, resident memory, the context's settings.
 """
+import ctypes
 import json
 import sys
 import time
@@ -31,14 +32,17 @@ def main(job_path: str, result_path: str) -> None:
     ctx = lc.llama_init_from_model(model, p)
     batch = lc.llama_batch_init(p.n_batch, 0, 1)
 
-    def decode(rows):  # (token, pos, wants logits); the last wanted row's logits
+    def decode(rows):  # (token, pos, wants logits); the last row's logits if it wants them, else None
         for i, (tok, pos, out) in enumerate(rows):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
             batch.seq_id[i][0] = 0
         batch.n_tokens = len(rows)
         if lc.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
-        return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+        if not rows[-1][2]:
+            return None
+        ptr = ctypes.cast(lc.llama_get_logits_ith(ctx, -1), ctypes.POINTER(ctypes.c_float))
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
 
     t = time.perf_counter()
     for s in range(0, len(ids), p.n_batch):

@@ -123,11 +123,19 @@ struct CacheHead {
   const float* scales;  // int8 only
   const BlockTables* bt;
   int64_t r, head, lo, hkv, block, d;
-  void widen(int64_t j, float* dst) const {
-    const int64_t p = lo + j, row = (bt->block_of(r, p) * hkv + head) * block + p % block;
-    const C* src = data + row * d;
+  // keys [j0, j0 + n) into dst ([n, d] fp32), walking the table block by block
+  void widen(int64_t j0, int64_t n, float* dst) const {
+    const int64_t* table = bt->tables + bt->table_of[r] * bt->width;
+    int64_t b = (lo + j0) / block, o = (lo + j0) % block;
+    for (int64_t j = 0; j < n; ++j, dst += d) {
+      const int64_t row = (table[b] * hkv + head) * block + o;
+      widen_row(data + row * d, scales ? scales[row] : 1.0f, dst);
+      if (++o == block) o = 0, ++b;
+    }
+  }
+  void widen_row(const C* src, float scale, float* dst) const {
     if constexpr (std::is_same_v<C, int8_t>) {
-      const __m256 s = _mm256_set1_ps(scales[row]);
+      const __m256 s = _mm256_set1_ps(scale);
       for (int64_t i = 0; i < d; i += 8) {
         const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
         _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
@@ -158,10 +166,8 @@ void attend_group(const T* const* q, const CacheHead<C>& kh, const CacheHead<C>&
   const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
   for (int64_t c0 = 0, size = first; c0 < longest; c0 += size, size = kChunk) {
     const int64_t cn = std::min(size, longest - c0);
-    for (int64_t j = 0; j < cn; ++j) {
-      kh.widen(c0 + j, kf + j * d);
-      vh.widen(c0 + j, vf + j * d);
-    }
+    kh.widen(c0, cn, kf);
+    vh.widen(c0, cn, vf);
     for (int64_t i = 0; i < rows; ++i)
       if (len[i] > c0) row_chunk(st[i], kf, vf, std::min(cn, len[i] - c0), g, d, scale);
   }
