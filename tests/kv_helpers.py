@@ -13,8 +13,11 @@ def request_pool(config, count: int, length: int, dtype: torch.dtype | str = tor
                  block: int = 16, device: str = "cpu") -> tuple[KVPool, torch.Tensor]:
     """A pool with `count` block tables of `length` positions ([count, W]): a forward's rows pass their
     request's index as `table_of`. `dtype`: a torch dtype (bf16, fp32) or a KV dtype name ("int8")."""
-    pool = KVPool(config.num_layers, count * blocks_for(length, block), block, config.num_kv_heads,
+    # one block more than the tables take: a Runner over the pool holds one (its sink)
+    pool = KVPool(config.num_layers, count * blocks_for(length, block) + 1, block, config.num_kv_heads,
                   config.head_dim, DTYPES.get(dtype, dtype), device)
+    for t in pool.tensors():  # the spare block too: tests compare whole pools
+        t.zero_()
     return pool, pool.tables_for(count, length)
 
 

@@ -49,7 +49,7 @@ def test_scattered_blocks_give_the_bits_of_a_contiguous_layout(llm, ids, contigu
     others': tokens and logprobs equal each request's alone on a fresh pool, bitwise."""
     eng = engine(llm, max_num_seqs=4)
     pool = eng.kv
-    taken = [pool.allocate() for _ in range(pool.num_blocks)]
+    taken = [pool.allocate() for _ in range(pool.num_free)]
     random.Random(0).shuffle(taken)
     for block in taken:
         pool.release(block)
@@ -123,9 +123,9 @@ def test_a_pool_too_small_for_a_request_is_refused_at_admission(llm, ids):
     """The context is what the pool holds: a prompt beyond it is refused when it is added, naming the pool
     and the flag that sizes it, and the engine goes on serving the others."""
     eng = engine(llm, blocks=8)
-    assert eng.max_len == 4 * 16  # half the pool: the rest is kept for the verifier's fixed-shape passes
+    assert eng.max_len == 7 * 16  # all but the runner's sink block
     with pytest.raises(ValueError, match=r"all the KV pool holds \(8 blocks; raise --kv-cache-memory\)"):
-        eng.add_request(Request(list(range(100)), 4))
+        eng.add_request(Request(list(range(120)), 4))
     assert run(eng, [ids[0][:20]], "ok")[0][0]
 
 

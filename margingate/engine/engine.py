@@ -41,7 +41,7 @@ class Load:
     """What the engine holds now: requests waiting for KV blocks, requests holding some, and the pool."""
     waiting: int
     running: int
-    blocks_used: int       # held by requests (a block shared by several counts once; the verifier's scratch not)
+    blocks_used: int       # held by requests (a block shared by several counts once)
     blocks_free: int
     blocks_cached: int     # held by the prefix cache alone: freed when needed
     preemptions: int       # since the engine started
@@ -87,7 +87,7 @@ class Engine:
     def load(self) -> Load:
         s, free = self.scheduler, self.kv.num_free
         cached = self.prefix.evictable if self.prefix is not None else 0
-        used = self.kv.num_blocks - free - cached - len(self.runner.scratch.blocks)
+        used = self.kv.num_blocks - free - cached - 1  # the runner's sink block
         return Load(len(s.waiting), len(s.running), used, free, cached, s.preemptions)
 
     def running_ids(self) -> list[str]:
@@ -157,11 +157,11 @@ class Engine:
             self._start(seq)
         try:
             prefills, batch = self.scheduler.plan(self.config.max_num_batched_tokens, self.config.prefill_chunk)
+            rows = self._speculate(batch)
+            prefills, batch = self.scheduler.reserve_step(prefills, batch)
             if not prefills and not batch:
                 self.step_count += 1
                 return self._finished
-            rows = self._speculate(batch)
-            prefills, batch = self.scheduler.reserve_step(prefills, batch)
             t = time.perf_counter()
             out = self.runner.step(prefills, batch)
             seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))

@@ -12,9 +12,7 @@ from ..models.kv_cache import KVPool, blocks_for
 from ..options.engine import EngineConfig
 
 DEFAULT_MEMORY_SHARE = 0.4   # of MemAvailable at start
-# blocks the verifier's fixed-shape passes may hold for their dummy rows (runner.py's scratch table): kept
-# out of one request's context, so a request alone always fits
-SCRATCH_BLOCKS = 64
+SINK_BLOCKS = 1  # held by the runner for the dummy rows of fixed-shape verifier passes (runner.py)
 
 
 def available_bytes() -> int:
@@ -44,7 +42,7 @@ def pool_blocks(model_config: ModelConfig, config: EngineConfig) -> int:
                              f"{config.kv_block_size} positions ({per_block} bytes each): too small for one request")
         return blocks
     context = min(config.max_model_len or model_config.max_position, model_config.max_position)
-    needed = config.max_num_seqs * blocks_for(context, config.kv_block_size) + SCRATCH_BLOCKS
+    needed = config.max_num_seqs * blocks_for(context, config.kv_block_size) + SINK_BLOCKS
     return max(2, min(needed, int(available_bytes() * DEFAULT_MEMORY_SHARE) // per_block))
 
 
@@ -56,7 +54,6 @@ def build_pool(model: DecoderModel, config: EngineConfig) -> KVPool:
 
 def context_length(model_config: ModelConfig, config: EngineConfig, pool: KVPool) -> int:
     """Positions one request may reach: the model's trained context (or --max-model-len), within what the pool
-    holds beside the verifier's scratch blocks."""
+    holds beside the runner's sink block."""
     wanted = min(config.max_model_len or model_config.max_position, model_config.max_position)
-    room = max(pool.num_blocks - SCRATCH_BLOCKS, pool.num_blocks // 2) * pool.block_size
-    return max(2, min(wanted, room))
+    return max(2, min(wanted, (pool.num_blocks - SINK_BLOCKS) * pool.block_size))

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.choice import KernelChoice
 from ..models.decoder import AttentionPlan, DecoderModel
-from ..models.kv_cache import BlockTable, KVPool, PoolExhausted
+from ..models.kv_cache import BlockTable, KVPool, PoolExhausted, blocks_for
 from .sequence import Sequence
 
 
@@ -23,7 +23,7 @@ from .sequence import Sequence
 class Span:
     """Positions [start, end) of `seq`, fed in one forward; the logits of its last `logits_rows` rows
     come back."""
-    seq: Sequence | None          # None: dummy rows on the scratch table (fixed-shape padding)
+    seq: Sequence | None          # None: dummy rows on the runner's sink block (fixed-shape padding)
     start: int
     end: int
     exact_attention: bool         # attend over exactly its own prefix (else: the padded batched call)
@@ -41,7 +41,9 @@ class Span:
 class Runner:
     def __init__(self, model: DecoderModel, kv: KVPool):
         self.model, self.kv, self.device = model, kv, model.device
-        self.scratch = BlockTable.empty(kv)  # where the dummy rows of padded verifier passes write
+        # where the dummy rows of padded verifier passes write and read: every position in one block, held for
+        # good (their results are thrown away; only the pass's shape counts)
+        self.sink = kv.allocate()
 
     def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
         """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
@@ -105,8 +107,11 @@ class Runner:
     def _tables(self, spans: list[Span]) -> tuple[torch.Tensor, list[int]]:
         """The block tables of the spans' requests ([T, W], -1 past a table's end; each span's positions made
         writable first) and, per row, which of them it reads."""
-        owners = [self.scratch if span.seq is None else span.seq.cache for span in spans]
+        width = blocks_for(max(span.end for span in spans), self.kv.block_size)
+        owners = [BlockTable(self.kv, [self.sink] * width) if span.seq is None else span.seq.cache for span in spans]
         for span, table in zip(spans, owners):
+            if span.seq is None:
+                continue
             try:
                 table.prepare(span.start, span.end)
             except PoolExhausted as e:  # the scheduler reserved this step's blocks: a bug, not memory pressure
