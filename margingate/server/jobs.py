@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine import Request, Result
 from ..engine.policy import Policy
 from . import tools
+from .answer import Answer
 from .errors import RequestFailed, json_error
 from .events import Event, Handle, Outcome
 from .logprobs import merge_completion
@@ -46,6 +47,10 @@ class Job:
     @property
     def echo(self) -> bool:
         return bool(getattr(self.params, "echo", False))
+
+    def outcome(self, whole: bool) -> Outcome:
+        """An empty outcome for one choice, its answer read as this job's (tools.parser); `whole`: not streamed."""
+        return Outcome(tools.parser(self.params, self.tool_mode, whole), Answer(stripped=self.tool_mode != "none"))
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,7 @@ async def wait_disconnect(req: HTTPRequest) -> None:
 
 async def collect(state: ServerState, job: Job, handles: list[Handle]) -> dict[int, Outcome]:
     """Every choice's whole answer."""
-    outcomes = {c.index: Outcome() for c in job.choices}
+    outcomes = {c.index: job.outcome(whole=True) for c in job.choices}
     async for choice, event in merged(state, job, handles):
         outcomes[choice.index].take(event)
     return outcomes
@@ -215,10 +220,9 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
 
 
 def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome) -> dict:
-    body = {"index": choice.index, "finish_reason": o.reason, "token_ids": o.ids}
+    body = {"index": choice.index, "finish_reason": o.finish_reason, "token_ids": o.ids}
     if job.kind == "chat":
-        message, body["finish_reason"] = tools.answer(job.params, job.tool_mode, o.text, o.reason)
-        body["message"] = {"role": "assistant", **message}
+        body["message"] = {"role": "assistant", **o.answer.message()}
         body["logprobs"] = logprobs_body(state, job, choice, o, None)
         return body
     echo = None

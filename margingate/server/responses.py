@@ -8,9 +8,10 @@ Streamed, the events are the ones the openai SDK's `responses.stream()` accumula
 `sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a message)
 response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done, (a call) response.function_call_arguments.delta / .done, response.output_item.done,
-and last response.completed (response.incomplete; response.failed if the engine fails the request). Text
-deltas go out as the engine releases them; with tools the answer is parsed whole, so its items go out at the
-end. The streamed text is the whole answer's: a strict policy releases verified tokens only (`streaming.py`).
+and last response.completed (response.incomplete; response.failed if the engine fails the request). Items go
+out as the engine releases their tokens: the message at its first text, a call when its name is read, then
+its arguments in fragments (`call_parser.py`); every item is closed at the end, in output order. The streamed
+answer is the whole one's: a strict policy releases verified tokens only (`streaming.py`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request as HTTPRequest
 
-from . import tools
+from .answer import Answer
+from .call_parser import Piece
 from .errors import RequestFailed
 from .events import Handle, Outcome
 from .jobs import Api, Job, abort_all, determinism_report, merged, usage
@@ -48,16 +50,28 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(message: dict, message_id: str, status: str) -> list[dict]:
-    """The assistant's answer as output items: its text (always, unless it is calls only), then its calls."""
-    items = []
-    calls = message.get("tool_calls") or []
-    if message.get("content") is not None or not calls:
-        text = {"type": "output_text", "text": message.get("content") or "", "annotations": [], "logprobs": []}
-        items.append({"type": "message", "id": message_id, "status": status, "role": "assistant", "content": [text]})
-    for call in calls:
-        items.append({"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "status": status,
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+def call_item_id(call: dict) -> str:
+    """A function_call item's id, from its call's (the stream's and the last event's are the same)."""
+    return f"fc_{call['id'].removeprefix('call_')}"
+
+
+def message_item(message_id: str, status: str, text: str) -> dict:
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict, status: str) -> dict:
+    return {"type": "function_call", "id": call_item_id(call), "call_id": call["id"], "status": status,
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def output_items(answer: Answer, message_id: str, status: str) -> list[dict]:
+    """The answer as output items, in the order they were written: its calls, and its text (always, unless
+    it is calls only) where it began among them."""
+    items = [call_item(call, status) for call in answer.calls]
+    content = answer.message()["content"]
+    if content is not None or not items:
+        items.insert(answer.message_at or 0, message_item(message_id, status, content or ""))
     return items
 
 
@@ -82,9 +96,8 @@ def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], me
     """The whole Response of a finished job (its one choice)."""
     choice = job.choices[0]
     o = outcomes[choice.index]
-    message, _ = tools.answer(job.params, job.tool_mode, o.text, o.reason)
     status = "incomplete" if o.reason == "length" else "completed"
-    body = envelope(state, job, status, output_items(message, message_id or item_id("msg"), status))
+    body = envelope(state, job, status, output_items(o.answer, message_id or item_id("msg"), status))
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
     counts = usage(job, outcomes)
@@ -134,37 +147,52 @@ def writer() -> Callable[..., bytes]:
     return event
 
 
-def whole_item(event: Callable[..., bytes], index: int, item: dict) -> Iterator[bytes]:
-    """An item that goes out at once (the answer with tools, parsed): opened, its content as one delta, closed."""
-    yield from opening(event, index, item)
-    if item["type"] == "message" and item["content"][0]["text"]:
-        yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                    delta=item["content"][0]["text"], logprobs=[])
-    elif item["type"] == "function_call":
-        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                    delta=item["arguments"])
-    yield from closing(event, index, item)
+class ItemStream:
+    """The answer's pieces as Responses events: an item is announced when its first piece comes (the message
+    at its first text, a call when it opens), then grows by deltas; `index` is each item's output_index."""
+
+    def __init__(self, event: Callable[..., bytes], answer: Answer):
+        self.event, self.answer = event, answer
+        self.message_id = item_id("msg")
+        self.index: dict = {}   # "message", or a call's index -> its output_index
+
+    def open(self, key, item: dict) -> Iterator[bytes]:
+        self.index[key] = len(self.index)
+        yield from opening(self.event, self.index[key], item)
+
+    def pieces(self, pieces: list[Piece]) -> Iterator[bytes]:
+        for p in pieces:
+            if p.kind == "text" and p.text:
+                if "message" not in self.index:
+                    yield from self.open("message", {"type": "message", "id": self.message_id, "role": "assistant"})
+                yield self.event("response.output_text.delta", item_id=self.message_id,
+                                 output_index=self.index["message"], content_index=0, delta=p.text, logprobs=[])
+            elif p.kind == "call":
+                yield from self.open(p.index, call_item(self.answer.calls[p.index], "in_progress"))
+            elif p.kind == "args":
+                yield self.event("response.function_call_arguments.delta", output_index=self.index[p.index],
+                                 item_id=call_item_id(self.answer.calls[p.index]), delta=p.text)
+
+    def close(self, body: dict) -> Iterator[bytes]:
+        """Every item's last events, in output order (an empty message announced first where none was)."""
+        for index, item in enumerate(body["output"]):
+            if index == len(self.index):
+                yield from self.open("message", item)
+            yield from closing(self.event, index, item)
 
 
 async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
-    event, o, finished = writer(), Outcome(), False
-    message = {"type": "message", "id": item_id("msg"), "role": "assistant"}
-    live = job.tool_mode == "none"  # text goes out as released; with tools the answer is parsed at the end
+    event, o, finished = writer(), job.outcome(whole=False), False
+    items = ItemStream(event, o.answer)
     try:
         for name in ("response.created", "response.in_progress"):
             yield event(name, response=envelope(state, job, "in_progress", []))
-        if live:
-            for chunk in opening(event, 0, message):
-                yield chunk
         async for _, released in merged(state, job, handles):
-            o.take(released)
-            if live and released.kind == "tokens" and released.text:
-                yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
-                            delta=released.text, logprobs=[])
-        body = response_body(state, job, {job.choices[0].index: o}, message_id=message["id"])
-        for index, item in enumerate(body["output"]):
-            for chunk in closing(event, index, item) if live else whole_item(event, index, item):
+            for chunk in items.pieces(o.take(released)):
                 yield chunk
+        body = response_body(state, job, {job.choices[0].index: o}, message_id=items.message_id)
+        for chunk in items.close(body):
+            yield chunk
         finished = True
         yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
     except RequestFailed as exc:

@@ -1,5 +1,6 @@
 """The streaming answer: server-sent events, one chunk per released delta of each choice (tagged
-with its index, carrying its logprobs), each choice's last chunk with its determinism report,
+with its index, carrying its logprobs; with tools its content and the calls' names and argument fragments
+as the answer's parser decides them: call_parser.py), each choice's last chunk with its determinism report,
 usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV slots at once."""
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from . import tools
+from .answer import Answer
+from .call_parser import Piece
 from .errors import RequestFailed
-from .events import Handle, Outcome
+from .events import Handle
 from .jobs import Choice, Job, abort_all, determinism_report, echo_text, envelope, merged, usage
 from .protocol import error_body
 from .state import ServerState
@@ -23,6 +25,24 @@ def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
+def pieces_delta(pieces: list[Piece], answer: Answer) -> tuple[str | None, dict]:
+    """A chat delta's content (None: no text) and its other fields: each call that opened (its index, id
+    and name) or grew (its arguments' fragment), as OpenAI streams them."""
+    texts = [p.text for p in pieces if p.kind == "text"]
+    reasoning = [p.text for p in pieces if p.kind == "reasoning"]
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        if p.kind == "call":
+            calls[p.index] = {"index": p.index, "id": answer.calls[p.index]["id"], "type": "function",
+                              "function": {"name": p.name, "arguments": ""}}
+        elif p.kind == "args":
+            call = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
+            call["function"]["arguments"] += p.text
+    delta = {**({"reasoning_content": "".join(reasoning)} if reasoning else {}),
+             **({"tool_calls": list(calls.values())} if calls else {})}
+    return ("".join(texts) if texts else None), delta
+
+
 class ChunkWriter:
     """Chunks of one response, each choice's text offsets (completions' logprobs) kept apart."""
 
@@ -33,15 +53,15 @@ class ChunkWriter:
         self.text_start = {c.index: 0 for c in job.choices}  # the echoed prompt's length, if echoed
 
     def chunk(self, choice: Choice, text: str | None, ids: list[int], lps: list | None = None,
-              reason: str | None = None, first: bool = False, offsets: list[int] = ()) -> dict:
-        """One chunk: a chat delta (the first names the role) or a completion's text."""
+              reason: str | None = None,
+              first: bool = False, offsets: list[int] = (), delta: dict | None = None) -> dict:
+        """One chunk: a chat delta (the first names the role; `delta`: its fields besides content) or a
+        completion's text."""
         c: dict = {"index": choice.index, "finish_reason": reason,
                    "logprobs": self._logprobs(choice, ids, lps, offsets), "token_ids": ids}
         if self.job.kind == "chat":
-            delta: dict = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            c["delta"] = delta
+            c["delta"] = {**({"role": "assistant"} if first else {}), **({} if text is None else {"content": text}),
+                          **(delta or {})}
         else:
             c["text"] = text or ""
         return {**self.base, "choices": [c]}
@@ -53,14 +73,6 @@ class ChunkWriter:
         if self.job.kind == "chat":
             return fmt.chat(lps)
         return fmt.completion(ids, lps, [self.text_start[choice.index] + i for i in offsets])
-
-    def tool_delta(self, choice: Choice, message: dict) -> dict:
-        """An answer with tools, once parsed: its content and its calls (each with its index)."""
-        out = self.chunk(choice, message.get("content"), [], None)
-        calls = message.get("tool_calls")
-        if calls:
-            out["choices"][0]["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return out
 
     def echo(self, choice: Choice, prompt_lps: list) -> dict:
         text = echo_text(self.state, choice)
@@ -74,7 +86,7 @@ class ChunkWriter:
 async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
     writer = ChunkWriter(state, job)
     include_usage = bool(job.params.stream_options and job.params.stream_options.include_usage)
-    outcomes = {c.index: Outcome() for c in job.choices}
+    outcomes = {c.index: job.outcome(whole=False) for c in job.choices}
     finished = False
     try:
         if job.kind == "chat":
@@ -82,18 +94,18 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
                 yield sse(writer.chunk(c, "", [], first=True))
         async for choice, event in merged(state, job, handles):
             o = outcomes[choice.index]
-            o.take(event)
+            pieces = o.take(event)
             if event.kind == "prompt":
                 yield sse(writer.echo(choice, event.prompt_logprobs))
             elif event.kind == "tokens":
-                withheld = job.tool_mode != "none"  # tool calls go out whole, once parsed
-                yield sse(writer.chunk(choice, None if withheld else event.text, event.ids, event.logprobs,
-                                       offsets=event.offsets))
+                text, delta = pieces_delta(pieces, o.answer)
+                yield sse(writer.chunk(choice, text, event.ids, event.logprobs,
+                                       offsets=event.offsets, delta=delta))
             elif event.kind == "done":
-                if job.tool_mode != "none":
-                    message, o.reason = tools.answer(job.params, job.tool_mode, o.text, o.reason)
-                    yield sse(writer.tool_delta(choice, message))
-                final = writer.chunk(choice, None if job.kind == "chat" else "", [], None, o.reason)
+                if pieces:  # what the parser held until the end
+                    text, delta = pieces_delta(pieces, o.answer)
+                    yield sse(writer.chunk(choice, text, [], None, delta=delta))
+                final = writer.chunk(choice, None if job.kind == "chat" else "", [], None, o.finish_reason)
                 final["determinism"] = determinism_report(state, job, choice, o.result)
                 if not include_usage and all(x.result is not None for x in outcomes.values()):
                     final["usage"] = usage(job, outcomes)
