@@ -122,7 +122,7 @@ class StreamingLoad:
     """`clients` threads streaming chat completions (`create`: the request's keyword arguments) until the
     block ends, so other requests share every step; `done` counts the finished streams."""
 
-    def __init__(self, server, clients: int, **create):
+    def __init__(self, server, clients: int, model: str = MODEL, **create):
         import threading
 
         import openai
@@ -132,7 +132,7 @@ class StreamingLoad:
 
         def loop(i):
             while not self.stop.is_set():
-                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
+                for _ in c.chat.completions.create(model=model, messages=chat(f"Tell me fact {i} about rivers."),
                                                    stream=True, **create):
                     pass
                 self.done += 1

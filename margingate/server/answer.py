@@ -43,8 +43,10 @@ class Answer:
                 self.calls[p.index]["function"]["arguments"] += p.text
 
     def message(self) -> dict:
-        """The assistant message's fields: content, and tool_calls where it called any."""
-        out = {"content": (self.content or None) if self.stripped else self.content}
+        """The assistant message's fields: content, reasoning_content where it reasoned, tool_calls where it
+        called any."""
+        empty = self.stripped or self.reasoning is not None  # None where there is nothing (calls, reasoning)
+        out = {"content": (self.content or None) if empty else self.content}
         if self.reasoning is not None:
             out["reasoning_content"] = self.reasoning
         if self.calls:

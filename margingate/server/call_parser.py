@@ -42,6 +42,25 @@ class Piece:
     name: str = ""       # a call's function
 
 
+class Trim:
+    """Text with the whitespace at its two ends dropped, as it comes: whitespace is held until text follows."""
+
+    def __init__(self):
+        self.ws, self.started = "", False
+
+    def take(self, text: str) -> str:
+        """What goes out of `text` now."""
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            if self.started:
+                self.ws += text
+            return ""
+        out, self.ws, self.started = self.ws + body, text[len(body):], True
+        return out
+
+
 def held_prefix(text: str, *marks: str) -> int:
     """Where the longest end of `text` that could begin one of `marks` starts (len(text): none)."""
     for start in range(max(0, len(text) - max(map(len, marks)) + 1), len(text)):
@@ -62,7 +81,7 @@ class CallParser:
         self.value = JsonValue()
         self.scanned = 0      # how much of a bare answer the value scanner has read
         self.raw_string: str | None = None  # arguments written as a JSON string: decoded once whole
-        self.ws, self.started = "", False
+        self.trim = Trim()
         self.out: list[Piece] = []
 
     def feed(self, text: str) -> list[Piece]:
@@ -90,14 +109,9 @@ class CallParser:
     # --- content ---------------------------------------------------------------------------------
     def _text(self, text: str) -> None:
         """Content; whitespace at either end of the answer's content is dropped (held until text follows)."""
-        if not self.started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if body:
-            self.out.append(Piece("text", self.ws + body))
-            self.ws, self.started = text[len(body):], True
-        elif self.started:
-            self.ws += text
+        kept = self.trim.take(text)
+        if kept:
+            self.out.append(Piece("text", kept))
 
     def _call(self, name: str, arguments: str | None = None) -> None:
         self.out.append(Piece("call", index=self.calls, name=name))

@@ -20,6 +20,7 @@ from .errors import RequestFailed, json_error
 from .events import Event, Handle, Outcome
 from .logprobs import merge_completion
 from .protocol import finite
+from .reasoning import Reasoning, ReasoningParser
 from .state import ServerState
 
 
@@ -43,6 +44,7 @@ class Job:
     tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
     ignored: list[str] = field(default_factory=list)  # unknown fields of the body: named in the answer's header
     origin: Any = None             # the body as its own API sent it, where that API is served as chat (responses)
+    reasoning: Reasoning | None = None  # how the answer's reasoning is marked (reasoning.py), if it has one
 
     @property
     def echo(self) -> bool:
@@ -50,7 +52,10 @@ class Job:
 
     def outcome(self, whole: bool) -> Outcome:
         """An empty outcome for one choice, its answer read as this job's (tools.parser); `whole`: not streamed."""
-        return Outcome(tools.parser(self.params, self.tool_mode, whole), Answer(stripped=self.tool_mode != "none"))
+        parser = tools.parser(self.params, self.tool_mode, whole)
+        if self.reasoning is not None:
+            parser = ReasoningParser(self.reasoning, parser)
+        return Outcome(parser, Answer(stripped=self.tool_mode != "none"))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from ..data.prompts import Prompt
 from ..engine import Request
 from ..engine.policy import Policy
+from ..engine.structured import AfterReasoning
 from ..options import (
     PolicyOptionError,
     PolicySpec,
@@ -23,12 +24,13 @@ from ..options import (
     SpeculativeError,
     deterministic_policies,
 )
-from ..options.structured import StructuredError
+from ..options.structured import StructuredError, StructuredOutput
 from . import tools
 from .bodies import ChatCompletionRequest, CompletionRequest
 from .constraints import compiled
 from .jobs import Choice, Job
 from .protocol import BadRequest, parse_json_body, validation_message
+from .reasoning import Reasoning
 from .state import ServerState
 
 
@@ -211,8 +213,12 @@ async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix
     speculative = speculative_config(state, params)
     rid = f"{id_prefix or ('chatcmpl-' if kind == 'chat' else 'cmpl-')}{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
+    encoded = await prompts(state, params, kind, tool_mode)
+    reasoning = await run_in_threadpool(answer_reasoning, state, encoded[0][0]) if kind == "chat" else None
+    if structured is not None and reasoning is not None:  # the constraint holds the answer after its reasoning
+        sampling = replace(sampling, structured=await run_in_threadpool(after_reasoning, state, structured, reasoning))
     try:
-        for p, (ids, text) in enumerate(await prompts(state, params, kind, tool_mode)):
+        for p, (ids, text) in enumerate(encoded):
             max_tokens = token_budget(state, params, kind, len(ids))
             for j in range(n):  # samples after the first copy its prompt K/V (share_prefill)
                 index = p * n + j
@@ -225,4 +231,17 @@ async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields())
+    return Job(kind, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields(), reasoning=reasoning)
+
+
+def answer_reasoning(state: ServerState, prompt_ids: list[int]) -> Reasoning | None:
+    """How the answer to this chat prompt marks its reasoning, if the template's family has one (reasoning.py)."""
+    if state.reasoning_family is None:
+        return None
+    return Reasoning.of(state.reasoning_family, state.prompt_tail(prompt_ids))
+
+
+def after_reasoning(state: ServerState, structured: StructuredOutput, reasoning: Reasoning) -> AfterReasoning:
+    """The constraint, free until the answer's reasoning closes (engine/structured.py)."""
+    opening = () if reasoning.inside else tuple(state.encode_text(reasoning.opening))
+    return AfterReasoning(structured, opening, tuple(state.encode_text(reasoning.closing)))

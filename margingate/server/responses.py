@@ -1,11 +1,13 @@
 """`POST /v1/responses`, served as a chat completion: the body becomes a chat body (`responses_request.py`), which
 runs the chat path unchanged (template, tools, grammar, policy); its one choice is written back as a Response
-object: `output` items (an assistant `message` with its `output_text`, then a `function_call` per tool call),
+object: `output` items (a `reasoning` item where the model reasoned, an assistant `message` with its `output_text`, a
+`function_call` per tool call, in the order written),
 `status` (`incomplete` where max_output_tokens cut it), `usage` in the Responses' names, and the `determinism`
 report as on the other routes.
 
 Streamed, the events are the ones the openai SDK's `responses.stream()` accumulates, each with its `type` and
-`sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a message)
+`sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a reasoning
+item: response.reasoning_text.delta..., response.reasoning_text.done) (a message)
 response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done, (a call) response.function_call_arguments.delta / .done, response.output_item.done,
 and last response.completed (response.incomplete; response.failed if the engine fails the request). Items go
@@ -65,13 +67,20 @@ def call_item(call: dict, status: str) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
-def output_items(answer: Answer, message_id: str, status: str) -> list[dict]:
-    """The answer as output items, in the order they were written: its calls, and its text (always, unless
-    it is calls only) where it began among them."""
+def reasoning_item(reasoning_id: str, status: str, text: str) -> dict:
+    return {"type": "reasoning", "id": reasoning_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def output_items(answer: Answer, ids: dict[str, str], status: str) -> list[dict]:
+    """The answer as output items, in the order they were written: its reasoning, its calls, and its text
+    (always, unless it is calls only) where it began among them; `ids`: the message's and the reasoning's."""
     items = [call_item(call, status) for call in answer.calls]
     content = answer.message()["content"]
     if content is not None or not items:
-        items.insert(answer.message_at or 0, message_item(message_id, status, content or ""))
+        items.insert(answer.message_at or 0, message_item(ids["message"], status, content or ""))
+    if answer.reasoning is not None:
+        items.insert(0, reasoning_item(ids["reasoning"], status, answer.reasoning))
     return items
 
 
@@ -92,12 +101,13 @@ def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> d
             "metadata": chat.metadata or {}, "system_fingerprint": state.fingerprint}
 
 
-def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], message_id: str | None = None) -> dict:
-    """The whole Response of a finished job (its one choice)."""
+def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], ids: dict | None = None) -> dict:
+    """The whole Response of a finished job (its one choice); `ids`: its message's and reasoning's item ids."""
     choice = job.choices[0]
     o = outcomes[choice.index]
     status = "incomplete" if o.reason == "length" else "completed"
-    body = envelope(state, job, status, output_items(o.answer, message_id or item_id("msg"), status))
+    ids = ids or {"message": item_id("msg"), "reasoning": item_id("rs")}
+    body = envelope(state, job, status, output_items(o.answer, ids, status))
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
     counts = usage(job, outcomes)
@@ -119,6 +129,9 @@ def opening(event: Callable[..., bytes], index: int, item: dict) -> Iterator[byt
                     item={**item, "status": "in_progress", "content": []})
         yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                     part={"type": "output_text", "text": "", "annotations": []})
+    elif item["type"] == "reasoning":
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "summary": [], "content": []})
     else:
         yield event("response.output_item.added", output_index=index,
                     item={**item, "status": "in_progress", "arguments": ""})
@@ -131,6 +144,9 @@ def closing(event: Callable[..., bytes], index: int, item: dict) -> Iterator[byt
         yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                     text=part["text"], logprobs=[])
         yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+    elif item["type"] == "reasoning":
+        yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    text=item["content"][0]["text"])
     else:
         yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                     name=item["name"], arguments=item["arguments"])
@@ -148,25 +164,32 @@ def writer() -> Callable[..., bytes]:
 
 
 class ItemStream:
-    """The answer's pieces as Responses events: an item is announced when its first piece comes (the message
-    at its first text, a call when it opens), then grows by deltas; `index` is each item's output_index."""
+    """The answer's pieces as Responses events: an item is announced when its first piece comes (the reasoning
+    and the message at their first text, a call when it opens), then grows by deltas; `index` is each item's
+    output_index."""
 
     def __init__(self, event: Callable[..., bytes], answer: Answer):
         self.event, self.answer = event, answer
-        self.message_id = item_id("msg")
-        self.index: dict = {}   # "message", or a call's index -> its output_index
+        self.ids = {"message": item_id("msg"), "reasoning": item_id("rs")}
+        self.index: dict = {}   # "message", "reasoning", or a call's index -> its output_index
 
     def open(self, key, item: dict) -> Iterator[bytes]:
         self.index[key] = len(self.index)
         yield from opening(self.event, self.index[key], item)
 
+    def text(self, key: str, text: str) -> Iterator[bytes]:
+        """A delta of the message's text or of the reasoning's, its item announced first."""
+        if key not in self.index:
+            yield from self.open(key, {"type": key, "id": self.ids[key], **({"role": "assistant"}
+                                                                            if key == "message" else {})})
+        kind = "output_text" if key == "message" else "reasoning_text"
+        yield self.event(f"response.{kind}.delta", item_id=self.ids[key], output_index=self.index[key],
+                         content_index=0, delta=text, **({"logprobs": []} if key == "message" else {}))
+
     def pieces(self, pieces: list[Piece]) -> Iterator[bytes]:
         for p in pieces:
-            if p.kind == "text" and p.text:
-                if "message" not in self.index:
-                    yield from self.open("message", {"type": "message", "id": self.message_id, "role": "assistant"})
-                yield self.event("response.output_text.delta", item_id=self.message_id,
-                                 output_index=self.index["message"], content_index=0, delta=p.text, logprobs=[])
+            if p.kind in ("text", "reasoning") and p.text:
+                yield from self.text("message" if p.kind == "text" else "reasoning", p.text)
             elif p.kind == "call":
                 yield from self.open(p.index, call_item(self.answer.calls[p.index], "in_progress"))
             elif p.kind == "args":
@@ -190,7 +213,7 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
         async for _, released in merged(state, job, handles):
             for chunk in items.pieces(o.take(released)):
                 yield chunk
-        body = response_body(state, job, {job.choices[0].index: o}, message_id=items.message_id)
+        body = response_body(state, job, {job.choices[0].index: o}, ids=items.ids)
         for chunk in items.close(body):
             yield chunk
         finished = True

@@ -10,6 +10,7 @@ from ..engine.engine import Engine
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
 from .metrics import Metrics
+from .reasoning import template_family
 from .tools import template_format
 from .worker import EngineWorker
 
@@ -24,7 +25,9 @@ class ServerState:
                                    heap_trim_idle_s=config.heap_trim_idle_s)
         engine.detokenize = text_decoder(llm.tokenizer.hf)  # the engine thread's own copy: it takes no lock
         engine.grammars = llm.grammars
-        self.tool_format = template_format(getattr(llm.tokenizer.hf, "chat_template", None))  # tools.py
+        chat_template = getattr(llm.tokenizer.hf, "chat_template", None)
+        self.tool_format = template_format(chat_template)  # tools.py
+        self.reasoning_family = template_family(chat_template)  # reasoning.py
         llm.grammars.tokenizer  # built now, before any thread shares the HF tokenizer it reads (~1 s)
         self.environment = llm.environment()
         self.environment["num_threads"] = engine.num_threads
@@ -46,6 +49,16 @@ class ServerState:
     def encode(self, prompt: Prompt, tools: list[dict] | None = None, **template) -> list[int]:
         with self.tokenizer_lock:
             return self.llm.tokenizer.encode_prompt(prompt, tools, **template)
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s ids, no special tokens added."""
+        with self.tokenizer_lock:
+            return self.llm.tokenizer.encode(text)
+
+    def prompt_tail(self, ids: list[int], tokens: int = 32) -> str:
+        """The text of the prompt's last tokens, special ones included (where a template opened a reasoning)."""
+        with self.tokenizer_lock:
+            return self.llm.tokenizer.hf.decode(ids[-tokens:], skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         """As the engine decodes a request's text (detokenize.py): /detokenize of a response's ids gives its text."""
