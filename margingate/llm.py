@@ -82,12 +82,11 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.engine = Engine(self.model, EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk,
-                                                      prefix_cache_tokens), lambda: self.default_policy)
-        self.engine.detokenize = text_decoder(self.tokenizer.hf)
-        self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
-        if draft_model is not None:
-            self.engine.draft = self._load_draft(draft_model, max_batch_size)
+        self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
+        config = EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk, prefix_cache_tokens)
+        draft = self._load_draft(draft_model, config) if draft_model is not None else None
+        self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
+                             detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):
@@ -107,13 +106,14 @@ class LLM:
         there yet: what the peers (transformers, vLLM, a BF16 GGUF for llama.cpp) read."""
         return resolve_model_dir(self.model_name)
 
-    def _load_draft(self, name: str, slots: int) -> DraftModel:
-        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""
+    def _load_draft(self, name: str, engine: EngineConfig) -> DraftModel:
+        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache (a slot
+        per request, as long as the engine's context: `Engine.max_len`)."""
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
-        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels), slots,
-                          self.engine.max_len)
+        return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels),
+                          engine.max_batch_size, min(engine.max_model_len, self.model.config.max_position))
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);

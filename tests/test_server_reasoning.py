@@ -219,12 +219,12 @@ def test_enable_thinking_reaches_the_template(qwen3):
 
     def prompt(**kwargs) -> str:
         r = httpx.post(f"{srv.url}/tokenize", json={"messages": ASK, "chat_template_kwargs": kwargs}, timeout=60)
-        return srv.state.llm.tokenizer.hf.decode(r.json()["tokens"])
+        return srv.state.context.tokenizer.hf.decode(r.json()["tokens"])
 
     assert prompt(enable_thinking=False).endswith("<think>\n\n</think>\n\n") and not prompt().endswith("</think>\n\n")
     off = create(client, extra={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert off.message.model_extra.get("reasoning_content") is None  # thinking off: no reasoning is read
-    assert off.message.content == srv.state.llm.tokenizer.hf.decode(off.model_extra["token_ids"],
+    assert off.message.content == srv.state.context.tokenizer.hf.decode(off.model_extra["token_ids"],
                                                                     skip_special_tokens=True)
 
 
@@ -235,7 +235,7 @@ def test_reasoning_content_streamed_is_the_whole_bitwise_beside_streaming_client
     srv, client = r1
     whole = create(client, policy).choices[0]
     reasoning = whole.message.model_extra["reasoning_content"]
-    assert reasoning and reasoning == srv.state.llm.tokenizer.hf.decode(
+    assert reasoning and reasoning == srv.state.context.tokenizer.hf.decode(
         whole.model_extra["token_ids"], skip_special_tokens=True).strip() and not whole.message.content
     with StreamingLoad(srv, 3, model=client.model_name, max_tokens=16):
         chunks = list(create(client, policy, stream=True))

@@ -27,25 +27,14 @@ from fastapi import Request as HTTPRequest
 
 from .answer import Answer
 from .call_parser import Piece
+from .chat import ChatEndpoint
 from .errors import RequestFailed
 from .events import Handle, Outcome
-from .jobs import Api, Job, abort_all, determinism_report, merged, usage
-from .parsing import build_job, json_object, read_body
+from .jobs import Job, abort_all, determinism_report, merged, usage
+from .parsing import build_job, json_object, read_body, validate
 from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
 from .state import ServerState
-
-
-async def parse(state: ServerState, req: HTTPRequest, kind: str) -> Job:
-    """The Responses body as the chat `Job` it means; a refusal names the Responses field."""
-    params = read_request(json_object(await read_body(req, state.config.max_body_bytes)))
-    try:
-        job = await build_job(state, params.chat_body(), kind, id_prefix="resp_")
-    except BadRequest as exc:
-        exc.param = responses_param(exc.param)
-        raise
-    job.ignored, job.origin = params.ignored_fields(), params
-    return job
 
 
 def item_id(prefix: str) -> str:
@@ -229,4 +218,28 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
             abort_all(state, handles, "disconnect")
 
 
-API = Api(parse, response_body, stream, prompt_param="input")
+class ResponsesEndpoint(ChatEndpoint):
+    """/v1/responses: the body translated into the chat body it means (responses_request.py), served as chat,
+    its one choice written back as a Response."""
+    id_prefix = "resp_"
+    prompt_param = "input"
+
+    async def parse(self, state: ServerState, req: HTTPRequest) -> Job:
+        """The Responses body as the chat `Job` it means; a refusal names the Responses field."""
+        params = read_request(json_object(await read_body(req, state.config.max_body_bytes)))
+        try:
+            job = await build_job(state, self, validate(state, params.chat_body(), self.body))
+        except BadRequest as exc:
+            exc.param = responses_param(exc.param)
+            raise
+        job.ignored, job.origin = params.ignored_fields(), params
+        return job
+
+    def render(self, state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
+        return response_body(state, job, outcomes)
+
+    def stream(self, state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
+        return stream(state, job, handles)
+
+
+RESPONSES = ResponsesEndpoint()
