@@ -27,9 +27,12 @@ class Answer:
     reasoning: str | None = None
     calls: list[dict] = field(default_factory=list)
     message_at: int | None = None       # how many calls opened before the first content
+    # the answer as written, in turns: ["reasoning" | "text", its text] or ["call", its index]
+    segments: list[list] = field(default_factory=list)
 
     def take(self, pieces: list[Piece]) -> None:
         for p in pieces:
+            self._segment(p)
             if p.kind == "text":
                 if self.message_at is None and p.text:
                     self.message_at = len(self.calls)
@@ -41,6 +44,15 @@ class Answer:
                                    "function": {"name": p.name, "arguments": ""}})
             else:
                 self.calls[p.index]["function"]["arguments"] += p.text
+
+    def _segment(self, p: Piece) -> None:
+        if p.kind == "call":
+            self.segments.append(["call", p.index])
+        elif p.kind in ("text", "reasoning") and p.text:
+            if self.segments and self.segments[-1][0] == p.kind:
+                self.segments[-1][1] += p.text
+            else:
+                self.segments.append([p.kind, p.text])
 
     def message(self) -> dict:
         """The assistant message's fields: content, reasoning_content where it reasoned, tool_calls where it

@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes in front of one engine thread.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
-GET /health, GET /metrics. With an API key every route but /health needs
-`Authorization: Bearer <key>`.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/messages (Anthropic's),
+GET /v1/models, GET /health, GET /metrics. With an API key every route but /health needs
+`Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it).
 
 Per-request determinism: `"deterministic": true` runs the request under the
 server's default deterministic policy (`auto`: the cheapest guaranteed one for the device);
@@ -16,6 +16,7 @@ The parts: config.py (settings), state.py (what one app holds: the serving conte
 with the engine built whole), worker.py (the engine thread), events.py (its typed per-request events, and the
 per-choice accumulator), endpoint.py (one API's endpoint: parse, submit, answer whole or streamed) and its
 subclasses completions.py, chat.py, responses.py (+ responses_request.py: /v1/responses, served as chat),
+messages.py (+ messages_request.py: /v1/messages, served as chat),
 parsing.py (the serving core's recipe: a validated body -> Job), jobs.py (events -> answer), streaming.py
 (SSE; the text and its stop strings are the engine's: engine/detokenize.py), answer.py + call_parser.py +
 call_shapes.py + reasoning.py (an answer's text read into content, reasoning and tool calls as it is

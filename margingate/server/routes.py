@@ -1,5 +1,6 @@
 """The routes: /health, /metrics, /v1/models[/{id}], the generation routes (/v1/completions,
-/v1/chat/completions, /v1/responses: each its API's endpoint, completions.py, chat.py, responses.py) and
+/v1/chat/completions, /v1/responses, /v1/messages: each its API's endpoint, completions.py, chat.py,
+responses.py, messages.py) and
 /tokenize, /detokenize (tokenization.py).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ from . import tokenization
 from .chat import CHAT
 from .completions import COMPLETIONS
 from .errors import json_error
+from .messages import MESSAGES
 from .metrics import CONTENT_TYPE
 from .responses import RESPONSES
 from .state import ServerState
@@ -87,3 +89,8 @@ async def chat_completions(req: HTTPRequest):
 @router.post("/v1/responses")
 async def create_response(req: HTTPRequest):
     return await RESPONSES.serve(state_of(req), req)
+
+
+@router.post("/v1/messages")
+async def create_message(req: HTTPRequest):
+    return await MESSAGES.serve(state_of(req), req)
