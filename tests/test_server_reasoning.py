@@ -78,12 +78,15 @@ def read(inside: bool, text: str, cuts=(), tools: bool = False) -> tuple:
         answer.take(parser.feed(text[start:end]))
         start = end
     answer.take(parser.finish())
-    return answer.reasoning, answer.message()["content"], answer.calls and answer.calls[0]["function"]
+    return (answer.reasoning, answer.message()["content"], answer.calls and answer.calls[0]["function"],
+            parser.reasoning_end)
 
 
 @pytest.mark.parametrize("inside, text, expected", ANSWERS)
 def test_reasoning_is_split_from_the_answer_whatever_the_split(inside, text, expected):
     assert read(inside, text)[:2] == expected
+    closed = text.find("</think>")
+    assert read(inside, text)[3] == (closed + len("</think>") if closed >= 0 else len(text) if expected[0] else 0)
     for cut in range(1, len(text)):
         assert read(inside, text, [cut]) == read(inside, text), cut
     assert read(inside, text, range(1, len(text))) == read(inside, text)
@@ -93,7 +96,7 @@ def test_a_call_after_the_reasoning_is_a_call():
     text = ('<think>\nThe user wants the time.\n</think>\n\n'
             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     whole = read(False, text, tools=True)
-    assert whole == ("The user wants the time.", None, {"name": "get_time", "arguments": "{}"})
+    assert whole[:3] == ("The user wants the time.", None, {"name": "get_time", "arguments": "{}"})
     assert all(read(False, text, [cut], tools=True) == whole for cut in range(1, len(text)))
 
 
@@ -222,8 +225,10 @@ def test_enable_thinking_reaches_the_template(qwen3):
         return srv.state.context.tokenizer.hf.decode(r.json()["tokens"])
 
     assert prompt(enable_thinking=False).endswith("<think>\n\n</think>\n\n") and not prompt().endswith("</think>\n\n")
-    off = create(client, extra={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    answer = create(client, extra={"chat_template_kwargs": {"enable_thinking": False}})
+    off = answer.choices[0]
     assert off.message.model_extra.get("reasoning_content") is None  # thinking off: no reasoning is read
+    assert answer.usage.completion_tokens_details is None
     assert off.message.content == srv.state.context.tokenizer.hf.decode(off.model_extra["token_ids"],
                                                                     skip_special_tokens=True)
 
@@ -233,7 +238,9 @@ def test_reasoning_content_streamed_is_the_whole_bitwise_beside_streaming_client
     """R1's form: the answer starts inside its reasoning; the random model never closes it, so all its text is
     reasoning, whole and streamed alike."""
     srv, client = r1
-    whole = create(client, policy).choices[0]
+    answer = create(client, policy)
+    whole = answer.choices[0]
+    assert answer.usage.completion_tokens_details.reasoning_tokens == answer.usage.completion_tokens
     reasoning = whole.message.model_extra["reasoning_content"]
     assert reasoning and reasoning == srv.state.context.tokenizer.hf.decode(
         whole.model_extra["token_ids"], skip_special_tokens=True).strip() and not whole.message.content
@@ -265,6 +272,7 @@ def test_responses_carry_a_reasoning_item_whole_and_streamed(r1):
     whole = client.responses.create(**kw)
     [item] = [i for i in whole.output if i.type == "reasoning"]
     assert whole.output[0].type == "reasoning" and item.content[0].text
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens
     events = list(client.responses.create(**kw, stream=True))  # cut by max_output_tokens: response.incomplete
     final = events[-1].response
     assert events[-1].type == "response.incomplete" == f"response.{whole.status}"

@@ -14,8 +14,8 @@ from fastapi.responses import Response
 from . import sdk_fields
 from .errors import QueueFull, ShuttingDown, json_error
 from .events import Handle, Outcome
-from .jobs import Choice, Job, abort_all, complete, determinism_report, envelope, next_event, usage
-from .parsing import build_job, json_object, read_body, validate
+from .jobs import Choice, Job, abort_all, complete, completion_body, next_event
+from .parsing import build_job, read_params
 from .protocol import BadRequest
 from .reasoning import Reasoning
 from .state import ServerState
@@ -32,8 +32,7 @@ class Endpoint:
 
     # --- the request ---------------------------------------------------------------------------------
     async def parse(self, state: ServerState, req: HTTPRequest) -> Job:
-        body = json_object(await read_body(req, state.config.max_body_bytes))
-        return await build_job(state, self, validate(state, body, self.body))
+        return await build_job(state, self, await read_params(state, req, self.body))
 
     def tool_mode(self, params) -> str:
         return "none"
@@ -50,16 +49,7 @@ class Endpoint:
     object_name: ClassVar[str]
     chunk_object: ClassVar[str]
 
-    def render(self, state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
-        """The whole answer's body: each choice's, its report (on each choice where there are several), usage."""
-        body = envelope(state, job, self.object_name)
-        body["choices"] = [self.choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
-        reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
-        if len(reports) > 1:
-            for choice, report in zip(body["choices"], reports):
-                choice["determinism"] = report
-        body.update(usage=usage(job, outcomes), determinism=reports[0])
-        return body
+    render = staticmethod(completion_body)  # the whole answer's body: each choice_body, the reports, usage
 
     def choice_body(self, state: ServerState, job: Job, choice: Choice, outcome: Outcome) -> dict:
         raise NotImplementedError

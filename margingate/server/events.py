@@ -83,6 +83,12 @@ class Outcome:
         return pieces
 
     @property
+    def reasoning_tokens(self) -> int:
+        """The tokens whose text begins inside the answer's reasoning (reasoning.py; 0: none)."""
+        end = getattr(self.parser, "reasoning_end", 0)
+        return sum(1 for offset in self.offsets if offset < end)
+
+    @property
     def finish_reason(self) -> str | None:
         """As the client reads it: "tool_calls" where a finished answer called a tool."""
         return self.answer.finish_reason(self.reason)

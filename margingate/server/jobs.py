@@ -84,6 +84,19 @@ def envelope(state: ServerState, job: Job, object_name: str) -> dict:
             "system_fingerprint": state.fingerprint}
 
 
+def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
+    """The whole body of completions and chat: each choice's (its endpoint's `choice_body`), its report (on
+    each choice where there are several), usage."""
+    body = envelope(state, job, job.endpoint.object_name)
+    body["choices"] = [job.endpoint.choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
+    reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
+    if len(reports) > 1:
+        for choice, report in zip(body["choices"], reports):
+            choice["determinism"] = report
+    body.update(usage=usage(job, outcomes), determinism=reports[0])
+    return body
+
+
 def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
     """Prompt tokens once per prompt (its n samples share the prefill), completion tokens per choice."""
     prompts = {c.prompt_index: len(c.request.prompt_ids) for c in job.choices}
@@ -99,6 +112,8 @@ def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
             cached[c.prompt_index] = min(cached.get(c.prompt_index, result.cached_tokens), result.cached_tokens)
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+    if job.reasoning is not None:  # as OpenAI reports a reasoning model's
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(o.reasoning_tokens for o in outcomes.values())}
     return out
 
 

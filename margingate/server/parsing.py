@@ -66,6 +66,11 @@ def validate(state: ServerState, body: dict, model_cls: type[CommonBody]) -> Com
     return params
 
 
+async def read_params(state: ServerState, req: HTTPRequest, model_cls: type[CommonBody]) -> CommonBody:
+    """The request's body, read within its size limit and validated as the endpoint's model."""
+    return validate(state, json_object(await read_body(req, state.config.max_body_bytes)), model_cls)
+
+
 def build_policy(state: ServerState, params) -> Policy:
     """The request's policy. Streamed or not, it is the same policy: a strict one releases verified
     tokens only, so the stream is the non-streamed answer. `"deterministic": true` is refused unless

@@ -56,9 +56,17 @@ class ReasoningParser:
         self.mode: Literal["start", "reasoning", "answer"] = "reasoning" if reasoning.inside else "start"
         self.buf, self.trim = "", Trim()
         self.after = True   # the whitespace after the closing is dropped
+        self.fed = 0        # characters of the answer's text fed so far
+        self.ended: int | None = None  # where the reasoning ended in the answer's text (its closing's end)
+
+    @property
+    def reasoning_end(self) -> int:
+        """How many characters of the answer's text are its reasoning (marks included) so far."""
+        return self.ended if self.ended is not None else self.fed if self.mode == "reasoning" else 0
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
+        self.fed += len(text)
         out: list[Piece] = []
         if self.mode == "start":
             stripped = self.buf.lstrip()
@@ -75,6 +83,7 @@ class ReasoningParser:
             if end < 0:
                 self.buf = self.buf[cut:]
                 return out
+            self.ended = self.fed - len(self.buf) + end + len(self.r.closing)
             self.buf, self.mode = self.buf[end + len(self.r.closing):], "answer"
         return out + self._answer()
 

@@ -104,7 +104,8 @@ def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], id
                      "total_tokens": counts["total_tokens"],
                      "input_tokens_details": {"cached_tokens": counts.get("prompt_tokens_details", {})
                                               .get("cached_tokens", 0)},
-                     "output_tokens_details": {"reasoning_tokens": 0}}
+                     "output_tokens_details": {"reasoning_tokens": counts.get("completion_tokens_details", {})
+                                               .get("reasoning_tokens", 0)}}
     body["determinism"] = determinism_report(state, job, choice, o.result)
     return body
 
