@@ -43,6 +43,16 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """Comma-separated positive integers: "4,16"."""
     try:
@@ -85,10 +95,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_quantize_arg(p, "at load, as `margingate export --quantize` writes them: the same tokens and logprobs")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: all cores; the tokens do not depend on it)")
-    p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
-                   help="positions per request (prompt + output)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=None,
+                   help="positions per request (prompt + output; default: the model's own context, within the KV pool)")
+    p.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GB",
+                   help="the KV pool's size (default: 40%% of the memory available at start, at most what "
+                        "--max-num-seqs full-context requests need); pages become resident as blocks are used")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "int8"),
+                   help="int8: each position's K and V quantized per head with an fp32 scale (half the bytes)")
+    p.add_argument("--kv-block-size", type=positive_int, default=16, metavar="N", help="positions per KV block")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
-                   help="prompt positions per request per step, sharing steps with decode rows (default: whole)")
+                   help="prompt positions per request per step, sharing steps with decode rows (default: as many "
+                        "as --max-num-batched-tokens leaves)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, metavar="N",
+                   help="rows per step: every decode row, then prompt chunks, oldest request first")
 
 
 def add_quantize_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -243,11 +262,13 @@ def prompts(args) -> list[Prompt]:
     return out[:limit] if limit else out
 
 
-def llm(args, max_batch_size: int):
+def llm(args, max_num_seqs: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
     return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights, quantize=args.quantize,
-               max_batch_size=max_batch_size,
+               max_num_seqs=max_num_seqs,
                draft_model=getattr(args, "draft_model", None),
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
-               prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0)
+               prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0,
+               kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+               kv_block_size=args.kv_block_size, max_num_batched_tokens=args.max_num_batched_tokens)

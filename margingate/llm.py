@@ -59,10 +59,12 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_batch_size: int = 16,
-                 max_model_len: int = 2048, num_threads: int | None = None, policy: str = "fast",
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_num_seqs: int = 64,
+                 max_model_len: int | None = None, num_threads: int | None = None, policy: str = "fast",
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
-                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None):
+                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None,
+                 kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16,
+                 max_num_batched_tokens: int = 4096):
         started = time.perf_counter()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
@@ -83,7 +85,10 @@ class LLM:
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
         self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
-        config = EngineConfig(max_batch_size, max_model_len, num_threads, prefill_chunk, prefix_cache_tokens)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
+                              prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
+                              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                              kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens)
         draft = self._load_draft(draft_model, config) if draft_model is not None else None
         self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
                              detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)
@@ -107,13 +112,13 @@ class LLM:
         return resolve_model_dir(self.model_name)
 
     def _load_draft(self, name: str, engine: EngineConfig) -> DraftModel:
-        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache (a slot
-        per request, as long as the engine's context: `Engine.max_len`)."""
+        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache (sized
+        as the engine's: draft.py)."""
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
         return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels),
-                          engine.max_batch_size, min(engine.max_model_len, self.model.config.max_position))
+                          engine)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);

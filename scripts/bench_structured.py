@@ -27,7 +27,7 @@ def ms_per_token(llm: LLM, prompt_ids: list[int], batch: int, constraint) -> flo
 
 
 def main() -> None:
-    llm = LLM(max_batch_size=16)
+    llm = LLM(max_num_seqs=16)
     prompt = llm.requests([{"role": "user", "content": "List forty fruits."}])[0].prompt_ids
     llm.grammars.compile(CASES["json schema"])  # the tokenizer table and the compile, before timing
     for batch in (1, 16):

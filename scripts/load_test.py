@@ -253,31 +253,31 @@ async def disconnects(run: Runner, prompts, args) -> dict:
     """Streams that go away after their first tokens: how long until every KV slot is free again."""
     async with run.client() as client:
         before = await run.metrics(client)
-        n = args.max_batch_size
+        n = args.max_num_seqs
         bodies = [body_for(prompts[i], 400, {"deterministic": True} if i % 2 else {}) for i in range(n)]
         await asyncio.gather(*(run.stream(client, p, b, stop_after=1) for p, b in bodies))
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 30:
             m = await run.metrics(client)
-            if m.get("margingate_kv_slots_free") == args.max_batch_size and not m.get("margingate_in_flight_requests"):
+            if m.get("margingate_kv_blocks_used") == 0 and not m.get("margingate_in_flight_requests"):
                 break
             await asyncio.sleep(0.02)
         freed = time.perf_counter() - t0
         delta = {k: m.get(k, 0.0) - before.get(k, 0.0) for k in m}
     return {"streams": n, "disconnects_counted": int(delta.get("margingate_client_disconnects_total", 0)),
-            "all_slots_free_after_s": round(freed, 3), "slots_free": int(m.get("margingate_kv_slots_free", -1))}
+            "all_blocks_free_after_s": round(freed, 3), "blocks_used": int(m.get("margingate_kv_blocks_used", -1))}
 
 
 async def burst(run: Runner, prompts, args) -> dict:
     """capacity + extra requests at once: the extra get 429; every accepted one completes in full."""
-    n = args.max_batch_size + args.max_queue + args.burst_extra
+    n = args.max_num_seqs + args.max_queue + args.burst_extra
     async with run.client(n + 2) as client:
         bodies = [body_for(prompts[i % len(prompts)], 16, {"deterministic": True}) for i in range(n)]
         results = await asyncio.gather(*(run.stream(client, p, b) for p, b in bodies))
         accepted = [r for r in results if r["status"] != 429]
         full = [r for r in accepted if r["status"] == 200 and r["done"] and len(r["ids"]) == 16]
         check = await run.check_alone(client, [(p, b, r) for (p, b), r in zip(bodies, results) if r in full], "burst")
-    return {"sent": n, "capacity": args.max_batch_size + args.max_queue,
+    return {"sent": n, "capacity": args.max_num_seqs + args.max_queue,
             "status_429": sum(1 for r in results if r["status"] == 429), "accepted": len(accepted),
             "accepted_complete": len(full), "lost": len(accepted) - len(full), **check}
 
@@ -285,7 +285,7 @@ async def burst(run: Runner, prompts, args) -> dict:
 async def sigterm(run: Runner, proc: subprocess.Popen, prompts, args) -> dict:
     """SIGTERM while streams are generating: they finish; new requests are refused; the server exits 0."""
     async with run.client() as client:
-        n = args.max_batch_size
+        n = args.max_num_seqs
         bodies = [body_for(prompts[i], args.max_tokens, {"deterministic": True} if i % 2 else {}) for i in range(n)]
         released = (await run.metrics(client)).get("margingate_generation_tokens_total", 0.0)
         tasks = [asyncio.ensure_future(run.stream(client, p, b)) for p, b in bodies]
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--fractions", default="0,0.1,1", help="deterministic fractions, comma-separated")
     p.add_argument("--time-cap", type=float, default=300.0, help="seconds any one request may take")
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--burst-extra", type=int, default=8, help="requests beyond the capacity in the burst")
     p.add_argument("--ttft-reps", type=int, default=3)
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
                                    shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
               "config": {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "time_cap",
-                                                       "max_batch_size", "max_queue", "burst_extra", "ttft_reps",
+                                                       "max_num_seqs", "max_queue", "burst_extra", "ttft_reps",
                                                        "max_model_len", "threads")},
               "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine(),
                        "python": platform.python_version()}, **report}

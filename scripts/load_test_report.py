@@ -44,7 +44,7 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {report['host']['cpu']}, {report['host']['cpus']} cores; the server at its default threads "
         f"({env.get('num_threads')} torch threads = all cores), torch {env.get('torch')}, kernels "
-        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_batch_size']}, queue "
+        f"v{env.get('kernels_version')}, model `{env.get('model')}`. Max batch {cfg['max_num_seqs']}, queue "
         f"{cfg['max_queue']}, prefix cache on. `\"deterministic\": true` is `auto` = "
         f"`{report['auto_resolves_to']}` here. Requests stream (SSE), {cfg['max_tokens']} tokens each "
         f"(ignore_eos, greedy); latency: request sent to `[DONE]`; TTFT: to the first token released. "
@@ -97,7 +97,7 @@ def markdown(report: dict) -> str:
         "## Faults",
         "",
         f"- **Disconnects:** {d['streams']} streams closed after their first token: {d['disconnects_counted']} "
-        f"disconnects counted, every KV slot free again {d['all_slots_free_after_s']} s after the last close.",
+        f"disconnects counted, every KV block free again {d['all_blocks_free_after_s']} s after the last close.",
         f"- **Burst beyond the queue:** {b['sent']} requests at once against a capacity of {b['capacity']} "
         f"(running + queued): {b['status_429']} got 429, {b['accepted']} accepted, {b['accepted_complete']} "
         f"completed in full, **{b['lost']} lost**; equal to alone: {b['identical']}/{b['compared_with_alone']}.",

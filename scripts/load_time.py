@@ -44,7 +44,7 @@ def timed(name, share):
 for name, share in (("load_state_dict", "weights_s"), ("build_model", "weights_s"), ("Tokenizer", "tokenizer_s"),
                     ("text_decoder", "tokenizer_s")):
     timed(name, share)
-llm = facade.LLM(sys.argv[1], max_batch_size=1)
+llm = facade.LLM(sys.argv[1], max_num_seqs=1)
 t1 = time.perf_counter()
 llm.generate("Hello", max_new_tokens=1)
 print(json.dumps({"import_s": imported, "load_s": llm.load_seconds, "weights_cache": llm.weights_cache, **parts,

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     runs, env = [], None
     for b in sizes:
-        llm = LLM(args.model, max_batch_size=b) if args.model else LLM(max_batch_size=b)
+        llm = LLM(args.model, max_num_seqs=b) if args.model else LLM(max_num_seqs=b)
         env = llm.environment()
         for policy in args.policies.split(","):
             runs.append({"policy": policy, "batch_size": b, **profile(llm, policy, b)})

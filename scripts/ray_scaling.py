@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     a = p.parse_args()
     prompts = load_prompts_file(a.prompts_file)
-    llm = LLM(max_batch_size=16)  # the local baseline at all cores, and the tokenizer
+    llm = LLM(max_num_seqs=16)  # the local baseline at all cores, and the tokenizer
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     rows = []
     for policy in a.policies.split(","):
@@ -64,7 +64,7 @@ def main() -> None:
         for shape in a.shapes.split(","):
             workers, threads = map(int, shape.split("x"))
             args = build_parser().parse_args(["generate", "--ray"])
-            pool = WorkerPool(args, workers=workers, threads=threads, max_batch_size=16)
+            pool = WorkerPool(args, workers=workers, threads=threads, max_num_seqs=16)
             timed(pool, llm, prompts[:workers], policy, 2)  # warm: every actor loaded
             s, tokens = timed(pool, llm, prompts, policy, a.max_new_tokens, a.repeats)
             pool.shutdown()

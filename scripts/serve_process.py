@@ -27,7 +27,7 @@ def start_server(args, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
     file for a long run: a pipe nobody reads fills and blocks the server)."""
     port = free_port()
     cmd = [sys.executable, "-m", "margingate", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
            "--max-model-len", str(args.max_model_len), "--log-level", "warning", "--shutdown-timeout", "120"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]

@@ -228,7 +228,7 @@ async def run(url: str, pid: int | None, args) -> dict:
 
 def summary(soak: Soak, health: dict, wall: float, args) -> dict:
     c = soak.counts
-    idle = health["in_flight"] == 0 and (args.url is not None or health["kv_slots_free"] == args.max_batch_size)
+    idle = health["in_flight"] == 0 and (args.url is not None or health["kv_blocks_used"] == 0)
     return {"seconds": round(wall, 1), "requests": c["requests"], "served": c["served"],
             "tokens_served": c["tokens"], "status_4xx": c["4xx"], "status_5xx": c["5xx"],
             "statuses": dict(sorted(soak.statuses.items())), "bad_requests": c["bad_requests"],
@@ -238,7 +238,7 @@ def summary(soak: Soak, health: dict, wall: float, args) -> dict:
                           "every guaranteed answer (any deterministic policy, streamed or not) compared with it",
             "deterministic_checked": c["checked"], "deterministic_equal": c["equal"],
             "problems": c["problems"], "problem_examples": soak.problems,
-            "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_slots_free")},
+            "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_blocks_used")},
             "ok": c["5xx"] == 0 and c["problems"] == 0 and c["checked"] == c["equal"] and idle}
 
 
@@ -280,7 +280,7 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one request may take")
     p.add_argument("--url", default=None, help="a running server instead of starting one")
     p.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for its VmRSS")
-    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="server torch threads (default: all cores)")
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
                                    shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
               "config": {k: getattr(args, k) for k in ("clients", "minutes", "seed", "pool", "max_tokens",
-                                                       "max_batch_size", "max_queue", "max_model_len", "threads",
+                                                       "max_num_seqs", "max_queue", "max_model_len", "threads",
                                                        "rss_every", "idle_s")},
               "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine()},
               "server_exit_code": exit_code, **report}

@@ -35,7 +35,7 @@ def llm(model_dir):
     """One facade over the embedded model, 16 KV slots, shared by every test module."""
     from margingate.llm import LLM
 
-    return LLM(max_batch_size=16)
+    return LLM(max_num_seqs=16)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def exact_llm(model_dir):
     integer-exact contract (int8 activations) instead."""
     from margingate.llm import LLM
 
-    return LLM(max_batch_size=8, weights="exact")
+    return LLM(max_num_seqs=8, weights="exact")
 
 
 @pytest.fixture(scope="session")

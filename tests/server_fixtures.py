@@ -27,7 +27,7 @@ def make_server(llm, *, slots: int = SLOTS, max_len: int = 512, grace_s: float =
     from margingate.server.app import create_app
     from margingate.server.background import BackgroundServer
 
-    engine = Engine(llm.model, EngineConfig(max_batch_size=slots, max_model_len=max_len,
+    engine = Engine(llm.model, EngineConfig(max_num_seqs=slots, max_model_len=max_len,
                                             prefix_cache_tokens=prefix_cache_tokens,
                                             num_threads=llm.engine.num_threads), lambda: llm.policy("fast"),
                     detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
@@ -49,7 +49,7 @@ def poll(cond, timeout: float = 60.0, every: float = 0.05) -> bool:
 
 def is_idle(srv) -> bool:
     e = srv.engine
-    return (e.load.free_slots == e.config.max_batch_size and not e.has_work
+    return (e.load.blocks_used == 0 and not e.has_work
             and srv.state.worker.in_flight == 0)
 
 

@@ -148,7 +148,7 @@ def test_the_server_reaches_neither_the_facade_nor_into_the_engine():
 
 def test_a_reach_through_is_caught():
     planted = "def f(state, llm):\n    a = state.llm.engine.draft\n    b = state.context.engine.grammars.compile(x)\n" \
-              "    c = state.engine.load.free_slots\n    d = state.context.draft\n"
+              "    c = state.engine.load.blocks_free\n    d = state.context.draft\n"
     assert reach_throughs(planted, "p.py") == ["p.py:1 names the facade (llm)",
                                                "p.py:2 reaches through: state.llm.engine.draft",
                                                "p.py:3 reaches through: state.context.engine.grammars.compile"]

@@ -10,12 +10,12 @@ import json
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.models import config as config_module
 from margingate.models import rope_scaling
 from margingate.models.config import ModelConfig
 from margingate.models.decoder import AttentionPlan, DecoderModel
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -47,8 +47,9 @@ def _our_logprobs(folder, tokens, **config_changes) -> torch.Tensor:
         config = ModelConfig(**{**{f: getattr(config, f) for f in config.__slots__}, **config_changes})
     model = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     n = tokens.shape[0]
-    kv = KVCache(config.num_layers, 1, n, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
-    logits = model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n),
+    kv, tables = request_pool(config, 1, n, torch.float32)
+    logits = model.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
+                           AttentionPlan.all_exact(n),
                            kv, dtype=torch.float32)
     return torch.log_softmax(logits.float(), -1)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.models import build_model
 from margingate.models.decoder import AttentionPlan
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -65,9 +65,10 @@ def _errors(name: str, tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
     config = load_config(folder)
     ours = build_model(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (POSITIONS,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config.num_layers, 1, POSITIONS, config.num_kv_heads, config.head_dim, torch.bfloat16, "cpu")
+    kv, tables = request_pool(config, 1, POSITIONS, torch.bfloat16)
     n = POSITIONS
-    mine = ours.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
+    mine = ours.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n),
+                        kv)
     # Loaded in bf16, as a user loads it: `hf.to(torch.bfloat16)` would round the rotary inverse frequencies
     # (a buffer) to bf16 too, an error that grows with position and is not transformers' bf16 path.
     hf_bf16 = getattr(tf, ARCHITECTURES[name][1]).from_pretrained(folder, dtype=torch.bfloat16).eval()

@@ -36,7 +36,7 @@ def ref(references):
 
 def small_engine(llm, policy: str = "reference", **config) -> Engine:
     """A second engine over the already loaded model (its own KV slots)."""
-    config.setdefault("max_batch_size", 2)
+    config.setdefault("max_num_seqs", 2)
     return Engine(llm.model, EngineConfig(num_threads=llm.engine.num_threads, **config),
                   lambda: build(PolicySpec(policy)))
 
@@ -61,7 +61,7 @@ def test_queueing_beyond_the_slots(llm, ids, ref):
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
     finished = [s.request_id for s in drain(engine)]
     assert finished == [r.request_id for r in reqs]  # FIFO admission, equal lengths
-    assert engine.kv.num_free == engine.config.max_batch_size
+    assert engine.load.blocks_used == 0
     for i, s in zip(HET8, seqs):
         assert engine.result(s).token_ids == ref[i].token_ids[:12]
         assert engine.result(s).finish_reason == "length"
@@ -88,7 +88,7 @@ def test_staggered_fast_replays_exactly(llm, ids):
     for _ in range(2):
         reqs = [Request(ids[i], max_new_tokens=n, arrival_step=a, request_id=f"f{i}")
                 for i, (a, n) in zip(HET8, plan)]
-        runs.append([r.token_ids for r in small_engine(llm, "fast", max_batch_size=3).generate(reqs)])
+        runs.append([r.token_ids for r in small_engine(llm, "fast", max_num_seqs=3).generate(reqs)])
     assert runs[0] == runs[1]
 
 
@@ -100,8 +100,9 @@ def test_abort_running_and_waiting(llm, ids):
     seqs = [engine.add_request(Request(ids[i], max_new_tokens=8, request_id=f"a{k}"))
             for k, i in enumerate(HET8[:3])]
     engine.step()
-    assert engine.kv.num_free == 0
-    assert engine.abort("a1") and engine.kv.num_free == 1
+    held = engine.load.blocks_used
+    assert held == sum(len(s.cache.blocks) for s in seqs[:2]) and seqs[2].cache is None
+    assert engine.abort("a1") and engine.load.blocks_used == len(seqs[0].cache.blocks) < held
     assert engine.abort("a2")  # still waiting
     assert not engine.abort("a1") and not engine.abort("nope")
     assert engine.result(seqs[1]).finish_reason == "aborted"
@@ -109,7 +110,7 @@ def test_abort_running_and_waiting(llm, ids):
     assert [s.request_id for s in finished] == ["a1", "a2", "a0"]
     assert [s.finish_reason for s in finished[:2]] == ["aborted", "aborted"]
     assert len(seqs[0].output_ids) == 8 and seqs[2].output_ids == []
-    assert engine.kv.num_free == 2
+    assert engine.load.blocks_used == 0
 
 
 def test_context_limit(llm, ids, ref):
@@ -189,7 +190,7 @@ SCRIPT = """
 import json
 from margingate.llm import LLM
 from margingate.data.prompts import builtin_prompts
-llm = LLM(max_batch_size=2, num_threads=1)
+llm = LLM(max_num_seqs=2, num_threads=1)
 out = llm.generate(builtin_prompts()[:2], max_new_tokens=16)
 print(json.dumps({"tokens": [c.token_ids for c in out], "env": llm.environment()}))
 """
@@ -244,8 +245,8 @@ def test_bad_requests(llm, ids):
     for bad in ([llm.config.vocab_size], [5, -1]):
         with pytest.raises(ValueError, match="vocabulary"):
             engine.add_request(Request(bad, max_new_tokens=4))
-    with pytest.raises(ValueError, match="max_batch_size"):
-        EngineConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
 
 
 def test_generate_takes_strings_message_lists_and_prompts(llm):

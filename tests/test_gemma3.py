@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.kernels.choice import KernelChoice
 from margingate.models import build_model
 from margingate.models.architectures import GEMMA3_LAYER
 from margingate.models.decoder import AttentionPlan
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 transformers = pytest.importorskip("transformers")
@@ -44,10 +44,10 @@ def gemma(tmp_path_factory):
 def _run(model, tokens, plan=None, kv=None, start=0, slot=0, dtype=torch.float32,
          kernel_choice=KernelChoice.INVARIANT):
     cfg, n = model.config, tokens.shape[0]
-    kv = kv or KVCache(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
-    logits = model.forward(tokens, torch.arange(start, start + n), torch.full((n,), slot), plan or
+    kv, tables = kv or request_pool(cfg, 2, 64, dtype)
+    logits = model.forward(tokens, torch.arange(start, start + n), tables, torch.full((n,), slot), plan or
                            AttentionPlan.all_exact(n), kv, dtype=dtype, kernel_choice=kernel_choice)
-    return logits, kv
+    return logits, (kv, tables)  # the pool and its tables: a later call goes on where this one left off
 
 
 def test_config_reads_gemma3(gemma):
@@ -106,12 +106,12 @@ def test_bf16_rows_are_batch_invariant(gemma):
     g = torch.Generator().manual_seed(3)
     a, b = torch.randint(0, 300, (19,), generator=g), torch.randint(0, 300, (13,), generator=g)
     alone, _ = _run(ours, a, dtype=torch.bfloat16)
-    kv = KVCache(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
-    both = ours.forward(torch.cat([b, a]), torch.cat([torch.arange(13), torch.arange(19)]),
+    kv, tables = request_pool(cfg, 2, 64, torch.bfloat16)
+    both = ours.forward(torch.cat([b, a]), torch.cat([torch.arange(13), torch.arange(19)]), tables,
                         torch.cat([torch.zeros(13, dtype=torch.long), torch.ones(19, dtype=torch.long)]),
                         AttentionPlan.all_exact(32), kv, dtype=torch.bfloat16)
     assert torch.equal(both[13:], alone)
-    step = ours.forward(torch.tensor([5, 7]), torch.tensor([13, 19]), torch.tensor([0, 1]),
+    step = ours.forward(torch.tensor([5, 7]), torch.tensor([13, 19]), tables, torch.tensor([0, 1]),
                         AttentionPlan.all_exact(2), kv, dtype=torch.bfloat16)
     _, kv_a = _run(ours, a, dtype=torch.bfloat16, slot=1)
     one, _ = _run(ours, torch.tensor([7]), kv=kv_a, start=19, slot=1, dtype=torch.bfloat16)

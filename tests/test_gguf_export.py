@@ -324,8 +324,8 @@ def test_a_quantized_moe_gguf_runs_as_the_folder_quantized_at_load(model_dir, tm
     stacked = [t for t in gguf.GGUFReader(str(out)).tensors if t.name.endswith("_exps.weight")]
     assert stacked and all(t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and t.shape[-1] == 4 for t in stacked)
     monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
-    at_load, from_file, plain = (LLM(str(folder), quantize="q8_0", max_batch_size=4), LLM(str(out), max_batch_size=4),
-                                 LLM(str(folder), max_batch_size=4))
+    at_load, from_file, plain = (LLM(str(folder), quantize="q8_0", max_num_seqs=4), LLM(str(out), max_num_seqs=4),
+                                 LLM(str(folder), max_num_seqs=4))
     assert from_file.environment()["weights"]["experts"] == at_load.environment()["weights"]["experts"] == "q8_0"
     prompts, params = ["The capital of France is", "1, 2, 3,"], SamplingParams(logprobs=2)
 

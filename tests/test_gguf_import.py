@@ -9,11 +9,11 @@ import functools
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.models import gguf_import, loader, named
 from margingate.models.decoder import AttentionPlan, DecoderModel
 from margingate.models.gguf_export import permute
-from margingate.models.kv_cache import KVCache
 
 gguf = pytest.importorskip("gguf")
 
@@ -99,9 +99,10 @@ def cache(tmp_path, monkeypatch):
 def _logits(folder, tokens):
     config = loader.load_config(folder)
     model = DecoderModel(config, loader.load_state_dict(folder))
-    kv = KVCache(config.num_layers, 1, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
+    kv, tables = request_pool(config, 1, 64, torch.float32)
     n = len(tokens)
-    return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv,
+    return model.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
+                         AttentionPlan.all_exact(n), kv,
                          dtype=torch.float32)
 
 

@@ -236,8 +236,23 @@ def test_forcing_a_path_the_cpu_lacks_is_an_error():
 # --- attention -----------------------------------------------------------------------------
 
 
-def cache(slots=3, heads=3, length=80, dim=64, dtype=torch.bfloat16):
-    return randn(slots, heads, length, dim, seed=8, dtype=dtype), randn(slots, heads, length, dim, seed=9, dtype=dtype)
+def cache(slots=3, heads=3, length=80, dim=64, dtype=torch.bfloat16, block=16, seed=None):
+    """One layer's paged cache holding `slots` requests of `length` positions (request s: block table s), and
+    the same keys and values laid out contiguously ([slots, heads, length, dim]) for the oracles. With a seed,
+    the requests' blocks lie in the pool in a random order."""
+    k, v = randn(slots, heads, length, dim, seed=8, dtype=dtype), randn(slots, heads, length, dim, seed=9, dtype=dtype)
+    per = length // block
+    order = torch.arange(slots * per) if seed is None else torch.randperm(slots * per,
+                                                                         generator=torch.Generator().manual_seed(seed))
+    tables = order.view(slots, per)
+
+    def pages(x):
+        out = torch.empty(slots * per, heads, block, dim, dtype=dtype)
+        out[tables.flatten()] = x.view(slots, heads, per, block, dim).transpose(1, 2).reshape(-1, heads, block, dim)
+        return out
+
+    none = torch.empty(0)
+    return (pages(k), pages(v), none, none), tables, (k, v)
 
 
 @pytest.mark.parametrize("window", [0, 40], ids=["full", "sliding-window"])
@@ -246,16 +261,16 @@ def test_attention_rows_independent(dtype, window, threads):
     """Rows over prefixes of 1..80 keys (chunk edges 31, 32, 33, 64, 65 included) in several
     slots, over all their keys or a sliding window's: each row alone equals that row inside any
     call, bitwise."""
-    k, v = cache()
+    kv, tables, _ = cache()
     lengths = torch.tensor([1, 31, 32, 33, 64, 65, 80, 2, 17, 48, 63, 79, 5, 40, 66, 30, 8, 50, 70, 12] * 2)
     slots = torch.arange(lengths.shape[0]) % 3
     q = randn(lengths.shape[0], 9, 64, seed=10, dtype=dtype)
     scale = 0.125
-    alone = torch.cat([K.attention(q[i:i + 1], k, v, slots[i:i + 1], lengths[i:i + 1], scale, window=window)
+    alone = torch.cat([K.attention(q[i:i + 1], kv, tables, slots[i:i + 1], lengths[i:i + 1], scale, window=window)
                        for i in range(q.shape[0])])
     for n in ROW_COUNTS:
         for start in (0, q.shape[0] - n):
-            got = K.attention(q[start:start + n], k, v, slots[start:start + n], lengths[start:start + n], scale,
+            got = K.attention(q[start:start + n], kv, tables, slots[start:start + n], lengths[start:start + n], scale,
                               window=window)
             assert torch.equal(got, alone[start:start + n]), f"{n} rows from row {start}"
 
@@ -263,10 +278,10 @@ def test_attention_rows_independent(dtype, window, threads):
 @pytest.mark.parametrize("window", [0, 33], ids=["full", "sliding-window"])
 def test_attention_is_correct(window):
     """Against SDPA in float64 over the same prefix, or its last `window` keys (grouped query heads)."""
-    k, v = cache(dtype=torch.float32)
+    kv, tables, (k, v) = cache(dtype=torch.float32, seed=1)
     q = randn(6, 9, 64, seed=11, dtype=torch.float32)
     lengths, slots = torch.tensor([1, 31, 32, 33, 65, 80]), torch.tensor([0, 1, 2, 0, 1, 2])
-    got = K.attention(q, k, v, slots, lengths, 0.125, window=window)
+    got = K.attention(q, kv, tables, slots, lengths, 0.125, window=window)
     for i in range(6):
         s, n = int(slots[i]), int(lengths[i])
         lo = max(0, n - window) if window else 0
@@ -280,26 +295,46 @@ def test_attention_aligned_to_a_padded_batch():
     A multiple of the chunk is the exact layout (same bits); other alignments stay as correct
     as the exact layout (fp32 oracle) but move the merge points, and with them the bits: the
     batch variance `fast` keeps on purpose."""
-    k, v = cache(dtype=torch.float32)
+    kv, tables, _ = cache(dtype=torch.float32)
     q = randn(6, 9, 64, seed=11, dtype=torch.float32)
     lengths, slots = torch.tensor([33, 40, 65, 70, 79, 80]), torch.tensor([0, 1, 2, 0, 1, 2])
-    exact = K.attention(q, k, v, slots, lengths, 0.125)
-    assert torch.equal(K.attention(q, k, v, slots, lengths, 0.125, torch.full((6,), 64)), exact)
+    exact = K.attention(q, kv, tables, slots, lengths, 0.125)
+    assert torch.equal(K.attention(q, kv, tables, slots, lengths, 0.125, torch.full((6,), 64)), exact)
     changed = 0
     for align in (70, 75, 80, 81):
-        got = K.attention(q, k, v, slots, lengths, 0.125, torch.full((6,), align))
+        got = K.attention(q, kv, tables, slots, lengths, 0.125, torch.full((6,), align))
         assert (got - exact).abs().max() < 1e-5
         changed += int(not torch.equal(got, exact))
     assert changed > 0
 
 
-def test_attention_refuses_bad_lengths():
-    k, v = cache()
+def test_attention_refuses_bad_lengths_and_tables():
+    kv, tables, _ = cache()
     q = randn(1, 9, 64)
-    with pytest.raises(RuntimeError, match="out of range"):
-        K.attention(q, k, v, torch.tensor([0]), torch.tensor([81]), 0.125)
-    with pytest.raises(RuntimeError, match="out of range"):
-        K.attention(q, k, v, torch.tensor([3]), torch.tensor([4]), 0.125)
+    with pytest.raises(RuntimeError, match="reaches position 80, beyond its table's 5 blocks"):
+        K.attention(q, kv, tables, torch.tensor([0]), torch.tensor([81]), 0.125)
+    with pytest.raises(RuntimeError, match="names table 3 of 3"):
+        K.attention(q, kv, tables, torch.tensor([3]), torch.tensor([4]), 0.125)
+    bad = tables.clone()
+    bad[1, 2] = 15
+    with pytest.raises(RuntimeError, match="table 1 entry 2 is block 15, outside the pool's 15"):
+        K.attention(q, kv, bad, torch.tensor([1]), torch.tensor([33]), 0.125)
+    bad[1, 2] = -1  # past a row's length, an entry is never read
+    K.attention(q, kv, bad, torch.tensor([1]), torch.tensor([32]), 0.125)
+
+
+@pytest.mark.parametrize("window", [0, 40], ids=["full", "sliding-window"])
+@pytest.mark.parametrize("block", [16, 32, 12])
+def test_attention_reads_keys_in_position_order_wherever_their_blocks_lie(block, window, threads):
+    """The same requests with their blocks contiguous, shuffled through the pool, or in blocks of another
+    size (32, or 12: chunk edges inside blocks): every row's output is the same bits."""
+    lengths = torch.tensor([1, 5, 16, 17, 31, 32, 33, 64, 65, 80, 7, 48])
+    slots = torch.arange(12) % 3
+    q = randn(12, 9, 64, seed=10)
+    want = K.attention(q, *cache(length=96)[:2], slots, lengths, 0.125, window=window)
+    for seed in (None, 1, 2):
+        kv, tables, _ = cache(length=96, block=block, seed=seed)
+        assert torch.equal(K.attention(q, kv, tables, slots, lengths, 0.125, window=window), want), (block, seed)
 
 
 def test_decoder_stack_finds_its_weights_by_name():

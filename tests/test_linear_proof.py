@@ -70,7 +70,7 @@ REPORT = """
 import json
 from margingate.llm import LLM
 from margingate.data.prompts import builtin_prompts
-llm = LLM(max_batch_size=2)
+llm = LLM(max_num_seqs=2)
 out = llm.generate([builtin_prompts()[0], builtin_prompts()[20]], max_new_tokens=24, policy=llm.policy("reference"))
 env = llm.environment()
 print(json.dumps({"path": env["kernels_linear_path"], "refused": env["kernels_linear_refused"],

@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 import torch
+from kv_helpers import request_pool
 from safetensors.torch import load_file, save_file
 
 from margingate.kernels.choice import KernelChoice
 from margingate.models.decoder import AttentionPlan, DecoderModel
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 from margingate.models.weights import WeightsError
 
@@ -64,15 +64,18 @@ def test_family_matches_transformers(kind, kernel_choice, tmp_path):
     assert config.attention_bias == (kind in ("qwen2", "llama-bias"))
     ours = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (20,))
-    kv = KVCache(config.num_layers, 2, 64, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
-    logits = ours.forward(tokens, torch.arange(20), torch.zeros(20, dtype=torch.long), AttentionPlan.all_exact(20),
+    kv, tables = request_pool(config, 2, 64, torch.float32)
+    logits = ours.forward(tokens, torch.arange(20), tables, torch.zeros(20, dtype=torch.long),
+                          AttentionPlan.all_exact(20),
                           kv, dtype=torch.float32, kernel_choice=kernel_choice)
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     assert (logits - expected).abs().max() < 1e-4
     nxt = torch.tensor([int(expected[-1].argmax())])
-    for plan in (AttentionPlan(exact=[0]), AttentionPlan(batched=[0])):
-        row = ours.forward(nxt, torch.tensor([20]), torch.zeros(1, dtype=torch.long), plan, kv, dtype=torch.float32,
+    for plan in (AttentionPlan(exact=[0]),
+                 AttentionPlan(batched=[0])):
+        row = ours.forward(nxt, torch.tensor([20]), tables, torch.zeros(1, dtype=torch.long), plan, kv,
+                           dtype=torch.float32,
                            kernel_choice=kernel_choice)
         with torch.no_grad():
             want = hf(torch.cat([tokens, nxt])[None]).logits[0, -1].float()
@@ -102,9 +105,10 @@ def _load(folder):
 
 def _logits(model, tokens):
     cfg = model.config
-    kv = KVCache(cfg.num_layers, 1, 32, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    kv, tables = request_pool(cfg, 1, 32, torch.bfloat16)
     n = tokens.shape[0]
-    return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
+    return model.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
+                         AttentionPlan.all_exact(n), kv)
 
 
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
@@ -188,34 +192,36 @@ def test_attention_bias_respected(tmp_path):
 
 
 def _fused_and_layered(model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       decode: torch.Tensor):
+                       decode: torch.Tensor, kv_dtype: str = "bfloat16"):
     """The same bf16 forwards through the one-call compiled stack and through the layer-by-layer
     Python path, each into its own cache: a prefill whose rows attend exactly, then one decode
-    row per slot attending as a padded batch. (logits of both forwards, K, V) of each path."""
+    row per slot attending as a padded batch. (logits of both forwards, K and V, their int8 scales) of each
+    path."""
     results = []
     for fused in (True, False):
         model.fused = fused
         cfg = model.config
-        kv = KVCache(cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
-        prompt = model.forward(tokens, positions, slots, AttentionPlan.all_exact(len(tokens)), kv)
+        kv, tables = request_pool(cfg, 3, 64, kv_dtype)
+        prompt = model.forward(tokens, positions, tables, slots, AttentionPlan.all_exact(len(tokens)), kv)
         ends = torch.tensor([int(positions[slots == s].max()) + 1 for s in range(3)])
-        step = model.forward(decode, ends, torch.arange(3), AttentionPlan(batched=[0, 1, 2]), kv)
-        results.append((torch.cat((prompt, step)), kv.k, kv.v))
+        step = model.forward(decode, ends, tables, torch.arange(3), AttentionPlan(batched=[0, 1, 2]), kv)
+        results.append((torch.cat((prompt, step)), torch.cat([t.flatten().float() for t in kv.tensors()[:2]]),
+                        torch.cat([t.flatten() for t in kv.tensors()[2:]])))
     model.fused = True
     return results
 
 
-def assert_stack_equals_layers(model: DecoderModel, vocab_size: int, seed: int) -> None:
+def assert_stack_equals_layers(model: DecoderModel, vocab_size: int, seed: int, kv_dtype: str = "bfloat16") -> None:
     """`_fused_and_layered` on prompt rows of three requests at mixed positions (30, 10 and 20 tokens) and a
-    batched decode step: logits and every K/V column equal, bitwise, and not all zero."""
+    batched decode step: logits and every K/V column (int8: codes and scales) equal, bitwise, and not all zero."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (60,), generator=g)
     positions = torch.cat((torch.arange(30), torch.arange(10), torch.arange(20)))
     slots = torch.tensor([2] * 30 + [0] * 10 + [1] * 20)
     decode = torch.randint(0, vocab_size, (3,), generator=g)
-    (lf, kf, vf), (ll, kl, vl) = _fused_and_layered(model, tokens, positions, slots, decode)
-    assert lf.abs().sum() > 0 and kf.abs().sum() > 0
-    assert torch.equal(lf, ll) and torch.equal(kf, kl) and torch.equal(vf, vl)
+    (lf, kvf, sf), (ll, kvl, sl) = _fused_and_layered(model, tokens, positions, slots, decode, kv_dtype)
+    assert lf.abs().sum() > 0 and kvf.abs().sum() > 0 and (kv_dtype != "int8" or sf.abs().sum() > 0)
+    assert torch.equal(lf, ll) and torch.equal(kvf, kvl) and torch.equal(sf, sl)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-bias", "qwen3"])
@@ -225,3 +231,10 @@ def test_compiled_stack_equals_the_layer_by_layer_forward(kind, tmp_path):
     for prompt rows of three requests at mixed positions and a batched decode step."""
     _, folder = _hf_model(kind, tmp_path)
     assert_stack_equals_layers(_load(folder), SHAPE["vocab_size"], seed=1)
+
+
+def test_compiled_stack_equals_the_layer_by_layer_forward_over_an_int8_cache(tmp_path):
+    """With an int8 KV cache both paths quantize each K/V row with the same compiled store and read it back
+    with the same kernel: the same logits, codes and scales, bit for bit."""
+    _, folder = _hf_model("qwen3", tmp_path)
+    assert_stack_equals_layers(_load(folder), SHAPE["vocab_size"], seed=2, kv_dtype="int8")

@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.models.decoder import AttentionPlan
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import (
     ModelNotFoundError,
     UnsupportedModelError,
@@ -99,8 +99,8 @@ def test_fp32_logits_match_transformers(exact_llm, prompts, hf_from_gguf):
     for prompt in prompts[:3]:
         ids = llm.tokenizer.encode_prompt(prompt)
         n = len(ids)
-        kv = KVCache(cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        ours = model.forward(torch.tensor(ids), torch.arange(n), torch.zeros(n, dtype=torch.long),
+        kv, tables = request_pool(cfg, 1, n, torch.float32)
+        ours = model.forward(torch.tensor(ids), torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
                              AttentionPlan.all_exact(n), kv, dtype=torch.float32)
         with torch.no_grad():
             theirs = hf_from_gguf(torch.tensor([ids])).logits[0].float()

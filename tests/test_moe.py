@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.kernels import layers
 from margingate.kernels.choice import KernelChoice
 from margingate.models import moe
 from margingate.models.config import ModelConfig
 from margingate.models.decoder import AttentionPlan, DecoderModel
-from margingate.models.kv_cache import KVCache
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 tf = pytest.importorskip("transformers")
@@ -52,8 +52,9 @@ def test_moe_matches_transformers(kind, kernel_choice, tmp_path):
     assert config.moe_layers == ((1,) if kind == "qwen3-moe-dense-first" else (0, 1))
     ours = DecoderModel(config, load_state_dict(folder, torch.bfloat16))
     tokens = torch.randint(0, SHAPE["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config.num_layers, 1, 32, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
-    logits = ours.forward(tokens, torch.arange(24), torch.zeros(24, dtype=torch.long), AttentionPlan.all_exact(24),
+    kv, tables = request_pool(config, 1, 32, torch.float32)
+    logits = ours.forward(tokens, torch.arange(24), tables, torch.zeros(24, dtype=torch.long),
+                          AttentionPlan.all_exact(24),
                           kv, dtype=torch.float32, kernel_choice=kernel_choice)
     with torch.no_grad():
         want = hf(tokens[None]).logits[0].float()

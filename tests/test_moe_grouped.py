@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import request_pool
 
 from margingate.kernels import invariant as K
 from margingate.kernels import layers
@@ -142,7 +143,6 @@ def test_the_compiled_stack_runs_moe_layers_to_the_layer_by_layer_bits(quantize,
     from test_moe import _hf_folder
 
     from margingate.models.decoder import AttentionPlan, DecoderModel
-    from margingate.models.kv_cache import KVCache
     from margingate.models.loader import load_config, load_state_dict
     from margingate.models.quantize import quantize_state
 
@@ -157,10 +157,10 @@ def test_the_compiled_stack_runs_moe_layers_to_the_layer_by_layer_bits(quantize,
     runs = []
     for fused in (True, False):
         model.fused = fused
-        kv = KVCache(config.num_layers, 2, 32, config.num_kv_heads, config.head_dim, torch.bfloat16, "cpu")
+        kv, tables = request_pool(config, 2, 32, torch.bfloat16)
         assert model._fusable(layers.INVARIANT, torch.bfloat16, kv) == fused
-        runs.append(model.forward(tokens, positions, slots, AttentionPlan.all_exact(20), kv))
-        runs.append(model.forward(tokens[:2], torch.tensor([12, 8]), torch.tensor([0, 1]),
+        runs.append(model.forward(tokens, positions, tables, slots, AttentionPlan.all_exact(20), kv))
+        runs.append(model.forward(tokens[:2], torch.tensor([12, 8]), tables, torch.tensor([0, 1]),
                                   AttentionPlan.all_exact(2), kv))
     model.fused = True
     assert all(torch.equal(a, b) for a, b in zip(runs[:2], runs[2:]))

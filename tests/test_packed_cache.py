@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_helpers import request_pool
 from test_gguf_import import _source_model, _write_gguf
 
 from margingate.kernels.packing import PackedWeight
 from margingate.kernels.quant_pack import QuantWeight
 from margingate.models import gguf_import, loader, packed_cache, weights
 from margingate.models.decoder import AttentionPlan, DecoderModel
-from margingate.models.kv_cache import KVCache
 
 gguf = pytest.importorskip("gguf")
 
@@ -54,9 +54,10 @@ def _load(file, contract: str) -> DecoderModel:
 def _logits(model: DecoderModel) -> torch.Tensor:
     c = model.config
     tokens = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(c.num_layers, 1, 64, c.num_kv_heads, c.head_dim, torch.bfloat16, "cpu")
+    kv, tables = request_pool(c, 1, 64, torch.bfloat16)
     n = len(tokens)
-    return model.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv)
+    return model.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long),
+                         AttentionPlan.all_exact(n), kv)
 
 
 def _matrices(model: DecoderModel) -> list:

@@ -5,13 +5,12 @@ the contract's: determinism/test_contract.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from margingate.data.prompts import Prompt
 from margingate.engine import Request
 from margingate.engine.engine import Engine, EngineConfig
 from margingate.engine.prefix_cache import PrefixCache
-from margingate.models.kv_cache import KVCache
+from margingate.models.kv_cache import BlockTable, KVPool, PoolExhausted
 
 SYSTEM = ("You are a patient tutor. Answer in short sentences, show each step of the reasoning, "
           "and finish with a one-line summary that starts with 'So'.")
@@ -39,7 +38,7 @@ def test_hits_reuse_prompt_blocks_not_answers(llm, prompts):
     """Round 1 is cold (an empty cache: every admission misses); round 2 sends the same prompts again: each
     hits all its whole blocks but the one holding its last position, and the second turn hits the first
     turn's prompt, not its answer (decode-written K/V is never stored)."""
-    engine = Engine(llm.model, EngineConfig(max_batch_size=8, max_model_len=512, prefix_cache_tokens=2048),
+    engine = Engine(llm.model, EngineConfig(max_num_seqs=8, max_model_len=512, prefix_cache_tokens=2048),
                     lambda: llm.policy("fast"))
 
     def round_(tag: str, prompts: list[list[int]]):
@@ -54,24 +53,50 @@ def test_hits_reuse_prompt_blocks_not_answers(llm, prompts):
     assert hit[3].cached_tokens == len(prompts[0]) // block * block
 
 
-def test_bounded_lru_evicts_leaves_first(llm):
-    """At most max_tokens positions; a hit refreshes its chain; the oldest block goes first, and a chain's
-    blocks are touched from the last to the first, so a shared prefix outlives the suffixes below it."""
-    mc = llm.model.config
-    kv = KVCache(mc.num_layers, 2, 64, mc.num_kv_heads, mc.head_dim, torch.bfloat16, "cpu")
-    kv.k.normal_()
-    kv.v.normal_()
-    cache = PrefixCache(max_tokens=3 * 4, block=4)
+def test_bounded_lru_evicts_leaves_first():
+    """At most max_tokens positions; a hit maps the cached blocks into the table (shared, counted, not copied)
+    and refreshes its chain; the oldest block goes first, and a chain's blocks are touched from the last to the
+    first, so a shared prefix outlives the suffixes below it."""
+    pool = KVPool(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=8)
+    cache = PrefixCache(pool, max_tokens=3 * 4)
     a, b = list(range(9)), [*range(4), 50, 51, 52, 53, 54]  # share their first block
-    cache.store(a, kv, slot=0)                 # blocks a0 a1
-    assert cache.load(a, kv, slot=1) == 8      # the last position is always left to compute
-    assert torch.equal(kv.k[:, 1, :, :8], kv.k[:, 0, :, :8]) and torch.equal(kv.v[:, 1, :, :8], kv.v[:, 0, :, :8])
-    cache.store(b, kv, slot=0)                 # b1 (b0 is a0): 3 blocks, full
+
+    def written(prompt):  # a table holding the prompt's K/V, as after its prefill
+        table = BlockTable.empty(pool)
+        table.prepare(0, len(prompt))
+        return table
+
+    ta = written(a)
+    cache.store(a, ta)                                   # blocks a0 a1
+    hit = BlockTable.empty(pool)
+    assert cache.load(a, hit) == 8 and hit.blocks == ta.blocks[:2]  # the last position is always left to compute
+    assert [pool.refs[x] for x in hit.blocks] == [3, 3]  # a's table, the cache, the hit
+    cache.store(b, written(b))                           # b1 (b0 is a0): 3 blocks, full
     assert cache.cached_tokens == 12 and cache.stats.evicted_blocks == 0
-    cache.store([7] * 5, kv, slot=0)           # one more: evicts a1, the oldest leaf; the shared a0 stays
+    cache.store([7] * 5, written([7] * 5))               # one more: evicts a1, the oldest leaf; the shared a0 stays
     assert cache.cached_tokens == 12 and cache.stats.evicted_blocks == 1
-    assert cache.load(a, kv, slot=1) == 4 and cache.load(b, kv, slot=1) == 8
-    assert cache.load([9] * 9, kv, slot=1) == 0
+    assert pool.refs[ta.blocks[1]] == 2                  # still held by a's table and the hit
+    assert cache.load(a, BlockTable.empty(pool)) == 4 and cache.load(b, BlockTable.empty(pool)) == 8
+    assert cache.load([9] * 9, BlockTable.empty(pool)) == 0
     assert (cache.stats.hits, cache.stats.misses, cache.stats.reused_tokens) == (3, 1, 20)
-    with pytest.raises(ValueError, match="max_tokens >= block"):
-        PrefixCache(max_tokens=3, block=4)
+    with pytest.raises(ValueError, match="max_tokens >= the block size 4"):
+        PrefixCache(pool, max_tokens=3)
+
+
+def test_a_full_pool_frees_cached_blocks_nobody_holds():
+    """When the pool runs out, the least recently used cached block that no request holds goes back to it;
+    blocks a request still holds are never taken."""
+    pool = KVPool(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8)
+    cache = PrefixCache(pool, max_tokens=64)
+    held, dropped = BlockTable.empty(pool), BlockTable.empty(pool)
+    held.prepare(0, 5)
+    dropped.prepare(0, 4)
+    cache.store(list(range(5)), held)
+    cache.store([9] * 4, dropped)
+    dropped.free()                                       # only the cache holds its block now
+    assert pool.num_free == 1 and cache.evictable == 1
+    fresh = BlockTable.empty(pool)
+    fresh.prepare(0, 8)                                  # two blocks: the free one, then the cached one
+    assert cache.cached_tokens == 4 and cache.stats.evicted_blocks == 1
+    with pytest.raises(PoolExhausted):
+        fresh.prepare(8, 9)                              # the rest are held by requests

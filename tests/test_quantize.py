@@ -217,10 +217,10 @@ def test_a_folder_quantized_at_load_gives_its_exported_files_tokens_and_logprobs
     from margingate.models import loader
     from margingate.options import SamplingParams
 
-    folders = {w: LLM(str(model_dir), quantize="q4_k", max_batch_size=4, weights=w) for w in ("auto", "exact")}
+    folders = {w: LLM(str(model_dir), quantize="q4_k", max_num_seqs=4, weights=w) for w in ("auto", "exact")}
     with pytest.MonkeyPatch.context() as mp:  # the GGUF's converted folder: in a temporary cache
         mp.setattr(loader, "cache_root", lambda: exported.parent / "cache")
-        files = {w: LLM(str(exported), max_batch_size=4, weights=w) for w in ("auto", "exact", "bf16")}
+        files = {w: LLM(str(exported), max_num_seqs=4, weights=w) for w in ("auto", "exact", "bf16")}
     for w in ("auto", "exact"):
         assert folders[w].environment()["weights"] == files[w].environment()["weights"] == Q4_K_FORMATS
         assert folders[w].environment()["quantized_contract"] == files[w].environment()["quantized_contract"]
@@ -245,7 +245,7 @@ def test_a_run_of_the_folder_is_never_reused_for_it_quantized_at_load(model_dir)
     from margingate.analysis.runs import CachedRuns
     from margingate.llm import LLM
 
-    plain, quantized = LLM(str(model_dir), max_batch_size=1), LLM(str(model_dir), max_batch_size=1, quantize="q8_0",
+    plain, quantized = LLM(str(model_dir), max_num_seqs=1), LLM(str(model_dir), max_num_seqs=1, quantize="q8_0",
                                                                  weights="bf16")
     assert plain.environment()["weights"] == quantized.environment()["weights"]
     assert plain.environment()["quantize"] is None and quantized.environment()["quantize"] == "q8_0"

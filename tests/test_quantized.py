@@ -122,7 +122,7 @@ def test_the_embedded_model_kept_quantized_gives_the_bf16_models_tokens_and_logp
     from margingate.llm import LLM
     from margingate.options import SamplingParams
 
-    bf16, exact = LLM(max_batch_size=4, weights="bf16"), exact_llm
+    bf16, exact = LLM(max_num_seqs=4, weights="bf16"), exact_llm
     for kept in (llm, exact):
         assert kept.environment()["weights"] == {"qkv": "q4_1", "o_proj": "q4_1", "gate_up": "q4_1",
                                                  "down_proj": "q4_1", "lm_head": "q8_0", "embed": "q8_0"}
@@ -155,7 +155,7 @@ def test_a_gguf_read_directly_is_not_converted_to_bf16_until_a_peer_needs_it(tmp
 
     source = tmp_path / "copy.gguf"  # a path of its own: a folder of its own in the cache
     shutil.copy(embedded_gguf_path("smollm2-135m"), source)
-    llm = LLM(str(source), max_batch_size=1)
+    llm = LLM(str(source), max_num_seqs=1)
     try:
         assert (llm.folder / "config.json").exists() and (llm.folder / "tokenizer.json").exists()
         assert not list(llm.folder.glob("*.safetensors"))

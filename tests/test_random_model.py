@@ -92,7 +92,7 @@ def test_generates_through_the_facade(tiny):
     from margingate.data.prompts import Prompt
     from margingate.llm import LLM
 
-    llm = LLM(str(tiny), max_batch_size=2, max_model_len=64)
+    llm = LLM(str(tiny), max_num_seqs=2, max_model_len=64)
     assert llm.config.num_layers == 2 and llm.config.hidden_size == 256
     prompts = [Prompt("text", None, "The capital of France is", "test"), Prompt("text", None, "1 2 3", "test")]
     out = llm.generate(prompts, max_new_tokens=3, ignore_eos=True)

@@ -40,7 +40,7 @@ def ray_session():
 @pytest.fixture(scope="module")
 def pool(ray_session, llm):
     # shards of 2 prompts: not the local engine's batch (all 4 prompts in one)
-    p = WorkerPool(build_parser().parse_args(WORKER_ARGS), workers=2, threads=1, max_batch_size=4)
+    p = WorkerPool(build_parser().parse_args(WORKER_ARGS), workers=2, threads=1, max_num_seqs=4)
     yield p
     p.shutdown()
 
@@ -133,7 +133,7 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
     pool.shutdown()  # the replicas take the instance's 2 CPUs
     port = _free_port()
     args = build_parser().parse_args(["serve", "--replicas", "2", "--threads", "1", "--max-model-len", "512",
-                                      "--max-batch-size", "4", "--port", str(port)])
+                                      "--max-num-seqs", "4", "--port", str(port)])
     config = ServerConfig(api_key="sesame", default_max_tokens=TOKENS)
     texts = [prompts[i].messages[0]["content"] for i in PROMPTS]
 
@@ -147,7 +147,7 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
         env = report.pop("environment")
         return body["choices"][0]["message"]["content"], body["choices"][0].get("token_ids"), report, env
 
-    engine = Engine(llm.model, EngineConfig(max_batch_size=4, max_model_len=512), lambda: llm.policy("fast"),
+    engine = Engine(llm.model, EngineConfig(max_num_seqs=4, max_model_len=512), lambda: llm.policy("fast"),
                     detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
     with TestClient(create_app(llm, config, engine=engine)) as local:
         expected = [ask(local, t) for t in texts]

@@ -21,7 +21,7 @@ def qwen():
     from margingate import LLM
 
     try:
-        return LLM(NAME, max_batch_size=4)
+        return LLM(NAME, max_num_seqs=4)
     except ModelNotFoundError as exc:
         pytest.skip(f"{exc} (or `make models`)")
 

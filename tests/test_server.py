@@ -341,7 +341,7 @@ def test_metrics_exposition(http):
     for name in ("http_requests_total", "requests_finished_total", "prompt_tokens_total",
                  "generation_tokens_total", "batch_size_bucket", "determinism_triggers_total",
                  "determinism_repairs_total", "determinism_rollbacks_total", "queue_length",
-                 "request_latency_seconds_bucket", "time_to_first_token_seconds_count", "kv_slots_free"):
+                 "request_latency_seconds_bucket", "time_to_first_token_seconds_count", "kv_blocks_free"):
         assert f"margingate_{name}" in text, name
     assert 'margingate_requests_finished_total{finish_reason="length",policy="batch-invariant"}' in text
     for name in ("prefix_cache_hits_total", "prefix_cache_misses_total", "prefix_cache_reused_tokens_total",

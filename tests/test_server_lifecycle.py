@@ -43,7 +43,7 @@ def test_disconnect_mid_stream_frees_slot(server, http):
         lines = r.iter_lines()
         got = [line for _, line in zip(range(6), lines)]
         assert any(line.startswith("data: ") for line in got)
-        assert server.engine.load.free_slots < server.engine.config.max_batch_size  # it holds a slot
+        assert server.engine.load.blocks_used > 0  # it holds KV blocks
     assert poll(lambda: is_idle(server), 30)
     # aborted, not run to its 400 tokens
     assert server.state.metrics.value("client_disconnects_total") == before + 1
@@ -222,7 +222,7 @@ def test_shutdown_finishes_in_flight_requests(llm):
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e.get("choices")) == 24
-    assert not srv.state.worker.alive and srv.engine.load.free_slots == 2
+    assert not srv.state.worker.alive and srv.engine.load.blocks_used == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.url}/health", timeout=5)
 
@@ -239,7 +239,7 @@ def test_shutdown_fails_requests_past_the_grace_cleanly(llm):
     events = out["events"]
     assert events[-1] == "[DONE]"
     assert "shutting down" in events[-2]["error"]["message"] and events[-2]["error"]["code"] == "503"
-    assert not srv.state.worker.alive and srv.engine.load.free_slots == 2 and not srv.engine.has_work
+    assert not srv.state.worker.alive and srv.engine.load.blocks_used == 0 and not srv.engine.has_work
 
 
 @pytest.mark.slow
@@ -252,7 +252,7 @@ def test_cli_serve_sigterm(tmp_path):
     threads = os.environ.get("MARGINGATE_TEST_THREADS", "1")
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "margingate", "serve", "--port", str(port), "--threads", threads,
-                             "--max-model-len", "256", "--max-batch-size", "2", "--log-level", "warning"],
+                             "--max-model-len", "256", "--max-num-seqs", "2", "--log-level", "warning"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

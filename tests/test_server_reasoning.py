@@ -181,7 +181,7 @@ def served(tmp_path_factory, model_dir, template: str, name: str):
     from margingate.llm import LLM
 
     folder = qwen3_folder(tmp_path_factory.mktemp(name), model_dir, template)
-    srv = make_server(LLM(str(folder), max_batch_size=8, max_model_len=512), slots=8, default_max_tokens=24)
+    srv = make_server(LLM(str(folder), max_num_seqs=8, max_model_len=512), slots=8, default_max_tokens=24)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=180.0)
     return srv, client
 

@@ -184,7 +184,7 @@ def test_cli_flags():
 def test_draft_proposer_equals_plain(copying, tiny_random_model, draft, monkeypatch):
     """A draft model proposes; the target decides. The target as its own draft accepts every greedy
     proposal, a random draft almost none: the same tokens either way."""
-    llm = feed_every_proposal(LLM(max_batch_size=3, max_model_len=512,
+    llm = feed_every_proposal(LLM(max_num_seqs=3, max_model_len=512,
                                   draft_model=str(tiny_random_model) if draft == "tiny" else draft), monkeypatch)
     spec = SpeculativeConfig("draft", num_tokens=3)
     plain = run(llm, copying[:2], "batch-invariant", SamplingParams(), [None, None], tokens=16)
@@ -197,7 +197,8 @@ def test_draft_proposer_equals_plain(copying, tiny_random_model, draft, monkeypa
     assert stats["proposed_tokens"] > 0
     if draft != "tiny":
         assert stats["accepted_tokens"] == stats["proposed_tokens"]
-    assert llm.engine.draft.kv.num_free == 3  # every request gave its draft slot back
+    draft_pool = llm.engine.draft.kv
+    assert draft_pool.num_free == draft_pool.num_blocks  # every request gave its draft blocks back
 
 
 def test_a_draft_needs_the_targets_tokenizer(tiny_random_model, tmp_path):
@@ -206,7 +207,7 @@ def test_a_draft_needs_the_targets_tokenizer(tiny_random_model, tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
     with pytest.raises(SpeculativeError, match="vocabulary has 1000 tokens") as exc:
-        LLM(max_batch_size=1, max_model_len=64, draft_model=str(other))
+        LLM(max_num_seqs=1, max_model_len=64, draft_model=str(other))
     assert exc.value.option == "draft_model"
     with pytest.raises(SpeculativeError, match="needs a draft model"):
         SpeculativeConfig("draft").check(None)

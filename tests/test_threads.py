@@ -33,7 +33,7 @@ from margingate.options import SamplingParams
 from margingate.llm import LLM
 
 threads, policies, picks, n = int(sys.argv[1]), sys.argv[2].split(","), json.loads(sys.argv[3]), int(sys.argv[4])
-llm = LLM(max_batch_size=len(picks), num_threads=threads, prefill_chunk=16)
+llm = LLM(max_num_seqs=len(picks), num_threads=threads, prefill_chunk=16)
 prompts = [builtin_prompts()[i] for i in picks]
 reqs = llm.requests(prompts, max_new_tokens=n, ignore_eos=True, sampling=SamplingParams(logprobs=2))
 for k, r in enumerate(reqs):
@@ -70,7 +70,7 @@ def test_same_logprobs_at_any_thread_count(llm, prompts, threads, scored):
     """The logprobs each request reports (of the tokens it generated) are those scored here, bitwise."""
     before = torch.get_num_threads()
     try:
-        engine = Engine(llm.model, EngineConfig(max_batch_size=len(PICKS), max_model_len=256, num_threads=threads,
+        engine = Engine(llm.model, EngineConfig(max_num_seqs=len(PICKS), max_model_len=256, num_threads=threads,
                                                 prefill_chunk=16), lambda: llm.policy("fast"))
         out = engine.generate([Request(llm.tokenizer.encode_prompt(prompts[i]), NEW_TOKENS,
                                        llm.policy(POLICIES[k % len(POLICIES)]), ignore_eos=True,
@@ -103,7 +103,7 @@ from margingate.data.prompts import builtin_prompts
 from margingate.options import SamplingParams
 from margingate.llm import LLM
 
-llm = LLM(max_batch_size=4, policy="batch-invariant")
+llm = LLM(max_num_seqs=4, policy="batch-invariant")
 sp = SamplingParams(temperature=1.0, seed=5, top_p=0.9, top_k=50, min_p=0.02, frequency_penalty=0.3, logprobs=2)
 reqs = llm.requests([builtin_prompts()[i] for i in (0, 3, 7, 11)], max_new_tokens=24, sampling=sp)
 out = llm.engine.generate(reqs)

@@ -17,11 +17,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (`pip install triton==3.7.1`)")
 
+from kv_helpers import request_pool  # noqa: E402
+
 from margingate.engine import Request  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.kernels import triton as mt  # noqa: E402
 from margingate.models.decoder import AttentionPlan, DecoderModel, resolve_kernels  # noqa: E402
-from margingate.models.kv_cache import KVCache  # noqa: E402
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir  # noqa: E402
 from margingate.options import PolicySpec, SpeculativeConfig  # noqa: E402
 from margingate.policies import build  # noqa: E402
@@ -68,16 +69,17 @@ def test_triton_model_matches_transformers(hf_folder, model):
     cfg = model.config
     tokens = torch.tensor(PROMPTS[1])
     n = len(tokens)
-    kv = KVCache(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEVICE)
-    logits = model.forward(tokens.to(DEVICE), torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long,
-                           device=DEVICE), AttentionPlan.all_exact(n), kv, dtype=torch.float32)
+    kv, tables = request_pool(cfg, 2, 32, torch.float32, device=DEVICE)
+    logits = model.forward(tokens.to(DEVICE), torch.arange(n, device=DEVICE), tables,
+                           torch.zeros(n, dtype=torch.long, device=DEVICE), AttentionPlan.all_exact(n), kv,
+                           dtype=torch.float32)
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     assert (logits.cpu() - expected).abs().max() < 1e-3
 
 
 def engine(model, policy: str, batch: int = 4) -> Engine:
-    return Engine(model, EngineConfig(max_batch_size=batch, max_model_len=64), lambda: build(PolicySpec(policy)))
+    return Engine(model, EngineConfig(max_num_seqs=batch, max_model_len=64), lambda: build(PolicySpec(policy)))
 
 
 def decode(eng: Engine, prompts, policy: str, tag: str, **kw) -> list[list[int]]:

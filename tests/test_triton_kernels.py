@@ -89,6 +89,21 @@ def caches(dtype=torch.bfloat16):
     return randn(S, HKV, L, D, dtype=dtype, seed=10), randn(S, HKV, L, D, dtype=dtype, seed=11)
 
 
+def attend(q, kc, vc, slots, lengths, scale, window=0):
+    """`mt.attention` over the slot caches [S, HKV, L, D] laid out as one layer's paged cache, blocks of 16
+    positions in a shuffled order (request s: block table s)."""
+    per = L // 16
+    tables = torch.randperm(S * per, generator=torch.Generator().manual_seed(3)).view(S, per).to(DEV)
+
+    def pages(x):
+        out = torch.empty(S * per, HKV, 16, D, dtype=x.dtype, device=DEV)
+        out[tables.flatten()] = x.view(S, HKV, per, 16, D).transpose(1, 2).reshape(-1, HKV, 16, D)
+        return out
+
+    none = torch.empty(0, device=DEV)
+    return mt.attention(q, (pages(kc), pages(vc), none, none), tables, slots, lengths, scale, window=window)
+
+
 def reference_attention(q, k_cache, v_cache, slots, lengths, scale, window=0):
     """fp64 softmax attention, row by row, over keys [lo, length) of each row's slot."""
     rows = []
@@ -113,7 +128,7 @@ def test_triton_attention_matches_reference(dtype, window):
     q = randn(n, H, D, dtype=dtype, seed=12)
     slots = torch.tensor([r % S for r in range(n)], device=DEV)
     lengths = torch.tensor(EDGES, device=DEV)
-    out = mt.attention(q, kc, vc, slots, lengths, D ** -0.5, window=window)
+    out = attend(q, kc, vc, slots, lengths, D ** -0.5, window=window)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), reference_attention(q, kc, vc, slots, lengths, D ** -0.5, window),
@@ -127,12 +142,12 @@ def test_triton_attention_indexes_each_rows_slot_and_length(window):
     q = randn(n, H, D, dtype=torch.bfloat16, seed=13)
     slots = torch.tensor([(r * 2) % S for r in range(n)], device=DEV)
     lengths = torch.tensor(EDGES, device=DEV)
-    batch = mt.attention(q, kc, vc, slots, lengths, 0.2, window=window)
+    batch = attend(q, kc, vc, slots, lengths, 0.2, window=window)
     for r in range(n):
-        alone = mt.attention(q[r:r + 1], kc, vc, slots[r:r + 1], lengths[r:r + 1], 0.2, window=window)
+        alone = attend(q[r:r + 1], kc, vc, slots[r:r + 1], lengths[r:r + 1], 0.2, window=window)
         assert torch.equal(alone, batch[r:r + 1]), EDGES[r]
     perm = torch.tensor([4, 0, 6, 2, 5, 1, 3], device=DEV)
-    assert torch.equal(mt.attention(q[perm], kc, vc, slots[perm], lengths[perm], 0.2, window=window), batch[perm])
+    assert torch.equal(attend(q[perm], kc, vc, slots[perm], lengths[perm], 0.2, window=window), batch[perm])
 
 
 @pytest.mark.slow  # Triton's interpreter, one row at a time (the compiled path's: test_kv_and_rows.py)
@@ -145,29 +160,34 @@ def test_triton_attention_prompt_chunked_token_by_token():
     q = randn(p, H, D, dtype=torch.bfloat16, seed=14)
     slots = torch.full((p,), 1, device=DEV)
     lengths = torch.arange(1, p + 1, device=DEV)
-    whole = mt.attention(q, kc, vc, slots, lengths, 0.2)
-    parts = [mt.attention(q[a:e], kc, vc, slots[a:e], lengths[a:e], 0.2) for a, e in ((0, 50), (50, 129), (129, p))]
+    whole = attend(q, kc, vc, slots, lengths, 0.2)
+    parts = [attend(q[a:e], kc, vc, slots[a:e], lengths[a:e], 0.2) for a, e in ((0, 50), (50, 129), (129, p))]
     assert torch.equal(torch.cat(parts), whole)
     for i in range(0, p, 3):  # token by token (every third position: the interpreter is slow)
-        assert torch.equal(mt.attention(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], 0.2), whole[i:i + 1]), i
+        assert torch.equal(attend(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], 0.2), whole[i:i + 1]), i
     other = randn(5, H, D, dtype=torch.bfloat16, seed=15)
     mixed_q = torch.cat([other, q[60:70]])
     mixed_slots = torch.cat([torch.tensor([0, 2, 0, 2, 0], device=DEV), slots[60:70]])
     mixed_lengths = torch.cat([torch.tensor([3, 90, 150, 64, 65], device=DEV), lengths[60:70]])
-    assert torch.equal(mt.attention(mixed_q, kc, vc, mixed_slots, mixed_lengths, 0.2)[5:], whole[60:70])
+    assert torch.equal(attend(mixed_q, kc, vc, mixed_slots, mixed_lengths, 0.2)[5:], whole[60:70])
 
 
-def test_triton_attention_reads_one_layer_of_the_cache():
-    from margingate.models.kv_cache import KVCache
+def test_triton_attention_reads_one_layer_of_the_pool():
+    """Through a KV pool's layer view (strided into [layers, blocks, ...]) the kernel reads what it reads from
+    that layer alone."""
+    from margingate.models.kv_cache import KVPool
 
-    cache = KVCache(num_layers=2, num_slots=S, max_len=L, num_kv_heads=HKV, head_dim=D, dtype=torch.bfloat16,
-                    device=DEV)
+    pool = KVPool(num_layers=2, num_blocks=S * L // 16, block_size=16, num_kv_heads=HKV, head_dim=D, device=DEV)
+    tables = pool.tables_for(S, L)
     kc, vc = caches()
-    cache.k[1], cache.v[1] = kc, vc
+    for s in range(S):
+        for b in range(L // 16):
+            blk = int(tables[s, b])
+            pool.k[1, blk], pool.v[1, blk] = kc[s, :, 16 * b:16 * b + 16], vc[s, :, 16 * b:16 * b + 16]
     q = randn(3, H, D, dtype=torch.bfloat16, seed=16)
     slots, lengths = torch.tensor([2, 0, 1], device=DEV), torch.tensor([65, 1, 130], device=DEV)
-    assert torch.equal(mt.attention(q, cache.k[1], cache.v[1], slots, lengths, 0.2),
-                       mt.attention(q, kc, vc, slots, lengths, 0.2))
+    assert torch.equal(mt.attention(q, pool.layer(1), tables, slots, lengths, 0.2),
+                       attend(q, kc, vc, slots, lengths, 0.2))
 
 
 # --- row-wise ------------------------------------------------------------------------------------------
@@ -264,9 +284,9 @@ def test_batch_invariance_compiled_on_cuda():
     slots = torch.arange(64, device=DEV) % 8
     lengths = torch.randint(1, 2049, (64,), generator=torch.Generator().manual_seed(5)).to(DEV)
     scale = 128 ** -0.5
-    att = mt.attention(q, kc, vc, slots, lengths, scale)
+    att = attend(q, kc, vc, slots, lengths, scale)
     for r in (0, 17, 63):
-        assert torch.equal(mt.attention(q[r:r + 1], kc, vc, slots[r:r + 1], lengths[r:r + 1], scale), att[r:r + 1])
+        assert torch.equal(attend(q[r:r + 1], kc, vc, slots[r:r + 1], lengths[r:r + 1], scale), att[r:r + 1])
     norm = mt.rmsnorm(x, w[0], 1e-6)
     assert torch.equal(mt.rmsnorm(x[5:6], w[0], 1e-6), norm[5:6])
     logits = full.float()

@@ -20,12 +20,12 @@ WARM_TOKENS = 64  # decode this far first, so the rows attend over realistic pre
 
 
 def pass_profile(llm: LLM, prompt_ids: list[list[int]], repeats: int = 5) -> dict:
-    """Median milliseconds of: one fast decode step over B = max_batch_size rows; verifier
+    """Median milliseconds of: one fast decode step over B = max_num_seqs rows; verifier
     passes of 64 rows (4 requests x 16 positions, and 1 x 64) and of 16 rows (16 x 1)."""
     from ..engine.policy import VerifyJob  # loads torch: only when the profile runs
 
     engine = llm.engine
-    b = engine.config.max_batch_size
+    b = engine.config.max_num_seqs
     if len(prompt_ids) < b:
         raise ValueError(f"the pass profile needs {b} prompts, got {len(prompt_ids)}")
     seqs = [engine.add_request(Request(ids, WARM_TOKENS + 64, llm.policy("fast"), ignore_eos=True,

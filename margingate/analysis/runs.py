@@ -111,7 +111,7 @@ class CachedRuns:
             arrivals: list[list[int]] | None = None) -> dict:
         """Run every group in one `engine.generate`; `make(prompt index, row)` -> (policy, trace or None).
 
-        Without `arrivals` a group is one batch, and may not exceed the engine's max_batch_size;
+        Without `arrivals` a group is one batch, and may not exceed the engine's max_num_seqs;
         with them (one arrival step per request of each group) it is a stream of requests that the
         engine admits as they arrive and slots free up. Returns {"rows": [...], "seconds": time in
         the engine, "spec": spec, "cached": bool}. `spec` must describe everything the run depends
@@ -123,9 +123,9 @@ class CachedRuns:
             hit["cached"] = True
             return hit
         engine = self.llm.engine
-        if arrivals is None and max(len(g) for g in groups) > engine.config.max_batch_size:
+        if arrivals is None and max(len(g) for g in groups) > engine.config.max_num_seqs:
             raise ValueError(f"batch size {max(len(g) for g in groups)} exceeds the engine's "
-                             f"max_batch_size {engine.config.max_batch_size}")
+                             f"max_num_seqs {engine.config.max_num_seqs}")
         made = [[make(i, r) for r, i in enumerate(g)] for g in groups]
         reqs = [[Request(self.ids[i], self.max_new_tokens, pol, ignore_eos=self.ignore_eos, request_id=f"r{r}",
                          arrival_step=arrivals[k][r] if arrivals else 0)

@@ -126,7 +126,7 @@ class TraceRunner(CachedRuns):
 
     def reference(self) -> list[dict]:
         """One traced reference per prompt (tokens, top-k, columns), batched (bitwise alone)."""
-        size = self.llm.engine.config.max_batch_size
+        size = self.llm.engine.config.max_num_seqs
         run = self.run(self._reference_spec(), batches(len(self.ids), size, "chunks"),
                        lambda i, r: _traced(TraceReference), "reference")
         refs = [None] * len(self.ids)
@@ -135,7 +135,7 @@ class TraceRunner(CachedRuns):
         return refs
 
     def _reference_spec(self) -> dict:
-        return {"kind": "reference-trace", "rows": self.llm.engine.config.max_batch_size}
+        return {"kind": "reference-trace", "rows": self.llm.engine.config.max_num_seqs}
 
     def fast(self, refs: list[dict], mode: str, size: int, homo_limit: int | None = None) -> dict:
         """`fast` in batches of `size` (hetero or homo), traced against the references."""

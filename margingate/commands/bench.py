@@ -94,7 +94,7 @@ class Bench:
         spec = VARIANTS[variant]
         n = len(w.prompt_ids)
         mask = [True] * n if variant in PROTECT_ALL else w.protected_mask()
-        assert self.llm.engine.config.max_batch_size == w.batch_size
+        assert self.llm.engine.config.max_num_seqs == w.batch_size
         # one stream of every request, arriving at once: the engine batches them B at a time
         run = CachedRuns(self.llm, w.prompt_ids, w.max_new_tokens, progress=False).run(
             {"kind": "bench", "variant": variant}, [list(range(n))],

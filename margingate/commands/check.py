@@ -70,7 +70,7 @@ class Checker:
                     runs[(mode, size)] = self.runner.run(self._spec(policy, mode, size), batches(n, size, mode),
                                                          make, f"{mode} b={size}")
         if "staggered" in modes:
-            size = self.llm.engine.config.max_batch_size
+            size = self.llm.engine.config.max_num_seqs
             order, arrivals = staggered(n)  # each prompt twice, at different moments and neighbours
             runs[("staggered", size)] = self.runner.run(self._spec(policy, "staggered", size), [order], make,
                                                         "staggered", arrivals=[arrivals])

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     g.add_argument("prompt", nargs="*", help="user messages (chat template applied)")
     cli_args.add_prompt_args(g, None)
     g.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128)
-    g.add_argument("--max-batch-size", type=cli_args.positive_int, default=16)
+    g.add_argument("--max-num-seqs", type=cli_args.positive_int, default=64)
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     cli_args.add_sampling_args(g)
     cli_args.add_speculative_args(g)
@@ -29,8 +29,8 @@ def cmd_generate(args) -> None:
     sampling = cli_args.sampling_params(args)
     speculative = cli_args.speculative_config(args)
     prompts = cli_args.prompts(args)
-    with worker_pool(args, args.max_batch_size) as pool:  # --ray: its workers decode, this process tokenizes
-        llm = cli_args.llm(args, args.max_batch_size)
+    with worker_pool(args, args.max_num_seqs) as pool:  # --ray: its workers decode, this process tokenizes
+        llm = cli_args.llm(args, args.max_num_seqs)
         if sampling.structured is not None:
             cli_args.compile_or_exit(llm, sampling.structured)
         reqs = llm.requests(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,

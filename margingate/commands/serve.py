@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MARGINGATE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $MARGINGATE_API_KEY)")
-    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=16, help="KV slots = decode rows per step")
+    p.add_argument("--max-num-seqs", type=cli_args.positive_int, default=64,
+                   help="requests running at once (one decode row each per step)")
     p.add_argument("--max-queue", type=cli_args.non_negative_int, default=ServerConfig.max_queue,
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
     p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),
@@ -78,7 +79,7 @@ def cmd_serve(args) -> None:
         from ..distributed.serve import serve_replicas
 
         return serve_replicas(args, config)
-    app = create_app(cli_args.llm(args, args.max_batch_size), config)
+    app = create_app(cli_args.llm(args, args.max_num_seqs), config)
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

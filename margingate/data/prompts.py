@@ -124,3 +124,9 @@ def builtin_prompts() -> list[Prompt]:
     """The prompt set shipped with margingate (margingate/data/builtin_prompts.jsonl)."""
     content = resources.files(__package__).joinpath(_BUILTIN_FILE).read_text(encoding="utf-8")
     return _parse_lines(content.split("\n"), "builtin")
+
+
+def builtin_text() -> str:
+    """The built-in prompts' words, one after another: real text of any length for long-context and
+    quality measurements (repeat it)."""
+    return "\n\n".join(p.text or "\n".join(m["content"] for m in p.messages) for p in builtin_prompts())

@@ -31,8 +31,8 @@ MAX_RETRIES = 3  # per group: a group that kills its worker this often is a bug,
 class RayEngineActor:
     """The body of one Ray actor: one engine, built from the command's own arguments."""
 
-    def __init__(self, args: argparse.Namespace, max_batch_size: int, threads: int):
-        self.llm = cli_args.llm(argparse.Namespace(**{**vars(args), "threads": threads}), max_batch_size)
+    def __init__(self, args: argparse.Namespace, max_num_seqs: int, threads: int):
+        self.llm = cli_args.llm(argparse.Namespace(**{**vars(args), "threads": threads}), max_num_seqs)
 
     def generate(self, requests: list[Request], crash_after: int | None = None) -> list[Result]:
         if crash_after is not None:  # testing: die mid-group, after some engine steps' tokens
@@ -48,11 +48,11 @@ class RayEngineActor:
 class WorkerPool:
     """`workers` actors of `threads` CPUs each on the connected Ray cluster (see options.connect)."""
 
-    def __init__(self, args: argparse.Namespace, *, workers: int, threads: int, max_batch_size: int,
+    def __init__(self, args: argparse.Namespace, *, workers: int, threads: int, max_num_seqs: int,
                  max_retries: int = MAX_RETRIES):
         self.ray = require_ray("--ray")
         self.args, self.workers, self.num_threads = args, workers, threads
-        self.max_batch_size, self.max_retries = max_batch_size, max_retries
+        self.max_num_seqs, self.max_retries = max_num_seqs, max_retries
         self.crash_next: int | None = None  # testing: the next group submitted kills its worker
         self.restarts = 0
         # max_restarts=0: a dead actor stays dead; the pool replaces it and re-runs its group itself.
@@ -60,7 +60,7 @@ class WorkerPool:
         self.actors = [self._spawn() for _ in range(workers)]
 
     def _spawn(self):
-        return self._actor.remote(self.args, self.max_batch_size, self.num_threads)
+        return self._actor.remote(self.args, self.max_num_seqs, self.num_threads)
 
     # --- running ---------------------------------------------------------------------
     def run(self, groups: list[list[Request]], desc: str = "requests", progress: bool = True) -> list[list[Result]]:
@@ -106,7 +106,7 @@ class WorkerPool:
         """Like `Engine.generate`: the requests in shards over the actors, results in input order."""
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids must be unique within one generate call")
-        size = max(1, min(self.max_batch_size, math.ceil(len(requests) / self.workers)))
+        size = max(1, min(self.max_num_seqs, math.ceil(len(requests) / self.workers)))
         shards = [requests[s:s + size] for s in range(0, len(requests), size)]
         return [res for shard in self.run(shards, "prompts", progress) for res in shard]
 

@@ -64,7 +64,7 @@ def check_args(args) -> None:
 
 
 @contextmanager
-def worker_pool(args, max_batch_size: int) -> Iterator:
+def worker_pool(args, max_num_seqs: int) -> Iterator:
     """With --ray, a pool of Ray workers (shut down after); without it, None: the local engine runs."""
     check_args(args)
     if args.ray is None:
@@ -79,7 +79,7 @@ def worker_pool(args, max_batch_size: int) -> Iterator:
     if workers * threads > cpus:
         raise ValueError(f"--ray-workers {workers} x --threads-per-worker {threads} needs {workers * threads} "
                          f"CPUs; the Ray cluster has {cpus}")
-    pool = WorkerPool(args, workers=workers, threads=threads, max_batch_size=max_batch_size)
+    pool = WorkerPool(args, workers=workers, threads=threads, max_num_seqs=max_num_seqs)
     try:
         yield pool
     finally:

@@ -31,7 +31,7 @@ def deployment(args: argparse.Namespace, config, replicas: int, threads: int):
     # The app's own slots and queue decide admission (429 past --max-queue), as in one process;
     # Serve's router holds what every replica refuses to take.
     @serve.deployment(name=APP_NAME, num_replicas=replicas, ray_actor_options={"num_cpus": threads},
-                      max_ongoing_requests=args.max_batch_size + config.max_queue,
+                      max_ongoing_requests=args.max_num_seqs + config.max_queue,
                       graceful_shutdown_timeout_s=config.shutdown_grace_s)
     @serve.ingress()
     class EngineReplica:
@@ -39,7 +39,7 @@ def deployment(args: argparse.Namespace, config, replicas: int, threads: int):
             self.args, self.config = argparse.Namespace(**{**vars(args), "threads": threads}), config
 
         def __serve_build_asgi_app__(self):
-            app = create_app(cli_args.llm(self.args, self.args.max_batch_size), self.config)
+            app = create_app(cli_args.llm(self.args, self.args.max_num_seqs), self.config)
             self.board, self.id, self.stop = metrics.board(), uuid.uuid4().hex, threading.Event()
             metrics.start_pushing(self.board, self.id, app.state.server.metrics.render, self.stop)
             return metrics.fleet_metrics(app, self.board, self.id)

@@ -1,6 +1,6 @@
 """The `draft` proposer: a smaller model with the same tokenizer guesses the next k tokens greedily.
 
-The draft runs on the invariant kernels in its own KV cache, one slot per speculating request,
+The draft runs on the invariant kernels in its own KV pool, one block table per speculating request,
 and keeps the K/V of the tokens it has seen: each step it feeds only what the target accepted
 since (after the longest common prefix with what it cached) and then k - 1 single-row steps.
 Its guesses only decide how many tokens a step keeps; the target's rows decide which, so a
@@ -8,12 +8,16 @@ wrong or slow draft costs speed, never a token.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..kernels.choice import KernelChoice
 from ..models.decoder import DecoderModel
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import BlockTable
+from ..options.engine import EngineConfig
 from ..options.speculative import SpeculativeError
+from .pool import build_pool
 from .proposers import Proposer
 from .runner import Runner, Span
 from .sampling import choose
@@ -31,24 +35,25 @@ def check_draft(target_vocab: int, draft_vocab: int, same_tokenizer: bool) -> No
 
 
 class DraftModel:
-    """A loaded draft model and its KV cache, shared by the requests that speculate with it."""
+    """A loaded draft model and its KV pool, shared by the requests that speculate with it."""
 
-    def __init__(self, model: DecoderModel, slots: int, max_len: int):
-        mc = model.config
-        self.kv = KVCache(mc.num_layers, slots + 1, max_len, mc.num_kv_heads, mc.head_dim, torch.bfloat16,
-                          model.device)
+    def __init__(self, model: DecoderModel, config: EngineConfig):
+        # sized as the target's pool is (engine/pool.py), in bf16: reserved, pages resident as used
+        self.kv = build_pool(model, replace(config, kv_cache_dtype="bfloat16"))
         self.runner = Runner(model, self.kv)
 
     def proposer(self) -> DraftProposer:
-        if not self.kv.num_free:
-            raise RuntimeError("no free draft KV slot")  # slots = the target's max batch: never short
-        return DraftProposer(self, self.kv.allocate())
+        return DraftProposer(self, BlockTable.empty(self.kv))
 
 
 class DraftProposer(Proposer):
-    def __init__(self, draft: DraftModel, slot: int):
-        self.draft, self.slot = draft, slot
-        self.cached: list[int] = []   # tokens whose K/V this slot holds, in order
+    _ids = 0
+
+    def __init__(self, draft: DraftModel, table: BlockTable):
+        self.draft, self.table = draft, table
+        self.cached: list[int] = []   # tokens whose K/V the table holds, in order
+        DraftProposer._ids += 1
+        self.name = f"draft-{DraftProposer._ids}"
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         common = 0
@@ -57,8 +62,8 @@ class DraftProposer(Proposer):
                 break
             common += 1
         # a named id: the draft's sequences take none from the counter of the user's requests
-        mirror = Sequence(Request(list(tokens), request_id=f"draft-{self.slot}"), policy=None,
-                          stop_ids=frozenset(), cache=self.draft.kv.view(self.slot))
+        mirror = Sequence(Request(list(tokens), request_id=self.name), policy=None,
+                          stop_ids=frozenset(), cache=self.table)
         drafts, start = [], common
         for _ in range(k):
             drafts.append(choose(mirror, self._forward(mirror, start), mirror.last_fed_pos).tokens[0])  # greedy
@@ -73,5 +78,4 @@ class DraftProposer(Proposer):
         return self.draft.runner.forward([span], torch.bfloat16, KernelChoice.INVARIANT)[0]
 
     def close(self) -> None:
-        self.draft.kv.release(self.slot)
-        self.slot = None
+        self.table.free()

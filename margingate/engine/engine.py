@@ -10,11 +10,11 @@ import torch
 from tqdm import tqdm
 
 from ..models.decoder import DecoderModel
-from ..models.kv_cache import KVCache
 from ..options.engine import EngineConfig
 from .detokenize import Detokenizer
 from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
+from .pool import build_pool, context_length
 from .prefix_cache import PrefixCache
 from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
@@ -38,10 +38,13 @@ class PhaseTotals:
 
 @dataclass(frozen=True)
 class Load:
-    """What the engine holds now: requests waiting for a KV slot, requests holding one."""
+    """What the engine holds now: requests waiting for KV blocks, requests holding some, and the pool."""
     waiting: int
     running: int
-    free_slots: int
+    blocks_used: int       # held by requests (a block shared by several counts once; the verifier's scratch not)
+    blocks_free: int
+    blocks_cached: int     # held by the prefix cache alone: freed when needed
+    preemptions: int       # since the engine started
 
 
 @dataclass
@@ -63,10 +66,8 @@ class Engine:
         self.model, self.config = model, config
         self.num_threads = config.num_threads or os.cpu_count() or 1
         torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports
-        max_len = min(config.max_model_len, model.config.max_position)
-        mc = model.config
-        self.kv = KVCache(mc.num_layers, config.max_batch_size + 1, max_len, mc.num_kv_heads, mc.head_dim,
-                          torch.bfloat16, model.device)
+        self.kv = build_pool(model, config)
+        self.max_len = context_length(model.config, config, self.kv)
         self.runner = Runner(model, self.kv)
         self.verifier = Verifier(self.runner)
         self.draft = draft  # a DraftModel (draft.py) for `speculative: draft` requests
@@ -74,8 +75,8 @@ class Engine:
         # Called on the engine's thread only.
         self.detokenize = detokenize
         self.grammars = grammars    # structured output's compiler (structured.Grammars; None: no constraints)
-        self.scheduler = Scheduler(self.kv)
-        self.prefix = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
+        self.prefix = PrefixCache(self.kv, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.prefix)
         self.default_policy = default_policy
         self.step_count = 0
         self.totals = {phase: PhaseTotals() for phase in PHASES}
@@ -84,13 +85,11 @@ class Engine:
         self._aborted: list[Sequence] = []
 
     @property
-    def max_len(self) -> int:
-        return self.kv.max_len
-
-    @property
     def load(self) -> Load:
-        s = self.scheduler
-        return Load(len(s.waiting), len(s.running), self.kv.num_free)
+        s, free = self.scheduler, self.kv.num_free
+        cached = self.prefix.evictable if self.prefix is not None else 0
+        used = self.kv.num_blocks - free - cached - len(self.runner.scratch.blocks)
+        return Load(len(s.waiting), len(s.running), used, free, cached, s.preemptions)
 
     def running_ids(self) -> list[str]:
         return [seq.request_id for seq in self.scheduler.running]
@@ -99,10 +98,10 @@ class Engine:
     def add_request(self, request: Request) -> Sequence:
         if any(s.request_id == request.request_id for s in [*self.scheduler.running, *self.scheduler.waiting]):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        need = len(request.prompt_ids) + 1
-        if need > self.max_len:
+        if len(request.prompt_ids) + 1 > self.max_len:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens is longer than the context "
-                             f"({self.max_len} positions, room for at least one new token needed)")
+                             f"({self.max_len} positions{self._context_limit()}, room for at least one new token "
+                             f"needed)")
         if max(request.prompt_ids) >= self.model.config.vocab_size or min(request.prompt_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary range")
         request.sampling.check_vocab(self.model.config.vocab_size)
@@ -127,8 +126,15 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def _context_limit(self) -> str:
+        """What bounds the context, where it is the KV pool rather than the model or --max-model-len."""
+        if self.max_len < min(self.config.max_model_len or self.model.config.max_position,
+                              self.model.config.max_position):
+            return f": all the KV pool holds ({self.kv.num_blocks} blocks; raise --kv-cache-memory)"
+        return ""
+
     def abort(self, request_id: str) -> bool:
-        """Drop a request now (a client went away): frees its slot at once."""
+        """Drop a request now (a client went away): frees its blocks at once."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.request_id == request_id:
                 self._retire(seq)
@@ -150,15 +156,13 @@ class Engine:
         self._finished, self._aborted = self._aborted, []
         for seq in self.scheduler.admit():
             self._start(seq)
-        chunk = self.config.prefill_chunk
-        prefills = [(s, s.prefilled, s.prompt_len if chunk is None else min(s.prompt_len, s.prefilled + chunk))
-                    for s in self.scheduler.running if s.prefilled < s.prompt_len]
-        batch = [s for s in self.scheduler.running if s.prefilled == s.prompt_len and s.finish_reason is None]
-        if not prefills and not batch:
-            self.step_count += 1
-            return self._finished
         try:
+            prefills, batch = self.scheduler.plan(self.config.max_num_batched_tokens, self.config.prefill_chunk)
+            if not prefills and not batch:
+                self.step_count += 1
+                return self._finished
             rows = self._speculate(batch)
+            prefills, batch = self.scheduler.reserve_step(prefills, batch)
             t = time.perf_counter()
             out = self.runner.step(prefills, batch)
             seconds = self._count("decode" if batch else "prefill", t, rows=len(batch))
@@ -169,26 +173,34 @@ class Engine:
             if batch:
                 self._decode(batch, out[len(prefills):])
         finally:
-            for seq in batch:  # proposals are never the sequence's: a step that fails leaves none behind
+            for seq in self.scheduler.running:  # proposals are never the sequence's: a step that fails leaves none
                 seq.drafts = []
         self._stop_finished([s for s in [*started, *batch] if s.should_stop(self.max_len)])
+        for seq in self.scheduler.running:  # rolled back, or proposals rejected: the blocks past the end go back
+            seq.cache.truncate(seq.num_tokens)
         self.step_count += 1
         return self._finished
 
     def _start(self, seq: Sequence) -> None:
-        """A request just got its slot: start its prompt where a sibling's or a cached prefix ends."""
-        if seq.fork_of is not None:  # one of n samples: the sibling's prompt K/V, all but the last row
+        """A request just got its blocks: start its prompt where a sibling's or a cached prefix ends."""
+        if seq.fork_of is not None:  # one of n samples: the sibling's prompt blocks, all but the last row
             seq.prefilled = seq.cached_tokens = seq.fork_of.prompt_len - 1
-            self.kv.copy_span(seq.fork_of.slot, seq.slot, 0, seq.prefilled)
+            seq.cache.share(seq.fork_of.cache, seq.prefilled)
             seq.fork_of = None
-        elif self.prefix is not None and seq.request.sampling.prompt_logprobs is None:
-            seq.prefilled = seq.cached_tokens = self.prefix.load(seq.request.prompt_ids, self.kv, seq.slot)
+        elif self.prefix is not None and (seq.recompute or seq.request.sampling.prompt_logprobs is None):
+            hit = self.prefix.load(seq.request.prompt_ids, seq.cache)
+            seq.prefilled = hit
+            if not seq.recompute:
+                seq.cached_tokens = hit
 
     def _prefilled(self, prefills: list[tuple[Sequence, int, int]], out: list) -> list[Sequence]:
         """After the forward: prompt logprobs, and the first token of each prompt now complete."""
         started = []
         for (seq, start, end), rows in zip(prefills, out):
             seq.prefilled = end
+            if seq.recompute:  # a preempted request's K/V are back: it decodes on from its last token
+                seq.recompute = seq.prefilling
+                continue
             k = seq.request.sampling.prompt_logprobs
             if k is not None:  # row i chooses position start + i + 1; the prompt's first token has none
                 n = min(end, seq.prompt_len - 1) - start
@@ -202,7 +214,7 @@ class Engine:
                 self._record(seq, choice)
                 seq.appended()
             if self.prefix is not None:  # the prompt path's K/V, before any decode write
-                self.prefix.store(seq.request.prompt_ids, self.kv, seq.slot)
+                self.prefix.store(seq.request.prompt_ids, seq.cache)
             started.append(seq)
         return started
 
@@ -220,7 +232,7 @@ class Engine:
                 k = self.step_profile.worth(stats.rate, rows, k, stats.seconds_per_proposal)
                 stats.held += k == 0
             if k >= 1:
-                if seq.proposer is None:  # on its first step: a draft proposer holds a KV slot
+                if seq.proposer is None:  # on its first step: a draft proposer holds KV blocks of the draft
                     seq.proposer = proposer_for(seq.request.speculative, self.draft)
                 rows += propose(seq, k)
         return rows
@@ -297,7 +309,7 @@ class Engine:
             stopping = still
 
     def _retire(self, seq: Sequence) -> None:
-        """The request leaves the engine: its KV slot, and its proposer's, are free."""
+        """The request leaves the engine: its KV blocks, and its proposer's, are free."""
         self.scheduler.remove(seq)
         if seq.proposer is not None:
             seq.proposer.close()
@@ -330,7 +342,7 @@ class Engine:
         once finished) with their logprobs, the prompt's logprobs once prefilled; None if nothing.
         The one release loop: `stream` and the server's worker both call it after each step."""
         prompt = None
-        if not seq.prompt_released and seq.prefilled == seq.prompt_len:
+        if not seq.prompt_released and seq.prefilled >= seq.prompt_len:
             seq.prompt_released = True
             prompt = list(seq.prompt_logprobs) if seq.request.sampling.prompt_logprobs is not None else None
         start = seq.released

@@ -1,19 +1,20 @@
-"""Prefix cache: the K/V of prompt prefixes, reused by later requests that start the same way.
+"""Prefix cache: the K/V blocks of prompt prefixes, shared with later requests that start the same way.
 
-Prompts are cut into blocks of `block` tokens; block i is keyed by a hash chain over blocks
-0..i (its parent's key and its own tokens), so a key names a whole prefix, as in vLLM. On
-admission the longest run of cached blocks is copied into the request's slot and only the
-rest of the prompt is prefilled.
+Prompts are cut into the pool's blocks; block i is keyed by a hash chain over blocks 0..i (its parent's
+key and its own tokens), so a key names a whole prefix, as in vLLM. The cache holds a reference on each
+block it keeps; on admission the longest run of cached blocks is mapped into the request's block table
+(no copy) and only the rest of the prompt is prefilled.
 
-Why a hit gives bitwise the tokens of a cold run: only K/V written by the prompt path are
-stored, and prompts always go through the invariant kernels, where a position's K/V depends
-only on the tokens up to it (not on the chunking, the batch or the slot). Decode-written
-columns (fast path, maybe drifted) are never stored. At least one prompt position is always
-prefilled: its logits choose the first token.
+Why a hit gives bitwise the tokens of a cold run: only K/V written by the prompt path are kept, and
+prompts always go through the invariant kernels, where a position's K/V depends only on the tokens up
+to it (not on the chunking, the batch or the block). Decode-written positions (fast path, maybe
+drifted) never lie in a kept block: only whole prompt blocks are kept, and a write into a shared block
+copies it first. At least one prompt position is always prefilled: its logits choose the first token.
 
-Bounded by `max_tokens` cached positions; the least recently used block goes first. A hit
-touches the chain from its last block back to its first, so a parent is always younger than
-its children and eviction takes leaves before the prefixes they hang from.
+Bounded by `max_tokens` cached positions; the least recently used block goes first, and when the pool
+runs out the least recently used block that no request holds is freed (`KVPool.reclaim`). A hit
+touches the chain from its last block back to its first, so a parent is always younger than its
+children and eviction takes leaves before the prefixes they hang from.
 """
 from __future__ import annotations
 
@@ -21,40 +22,42 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import BlockTable, KVPool
 from ..options.engine import PREFIX_CACHE_TOKENS
-
-DEFAULT_BLOCK = 16
 
 
 @dataclass
 class _Block:
     tokens: tuple[int, ...]   # checked on every hit: a hash collision can never reuse wrong K/V
-    k: torch.Tensor           # [layers, kv_heads, block, head_dim]
-    v: torch.Tensor
+    block: int                # the pool's block, one reference held by the cache
 
 
 @dataclass
 class PrefixStats:
     hits: int = 0             # admissions that reused at least one block
     misses: int = 0           # admissions that reused none
-    reused_tokens: int = 0    # prompt positions copied instead of computed
+    reused_tokens: int = 0    # prompt positions shared instead of computed
     evicted_blocks: int = 0
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int = PREFIX_CACHE_TOKENS, block: int = DEFAULT_BLOCK):
-        if block < 1 or max_tokens < block:
-            raise ValueError(f"prefix cache: need block >= 1 and max_tokens >= block, got {block}, {max_tokens}")
-        self.block, self.max_blocks = block, max_tokens // block
+    def __init__(self, pool: KVPool, max_tokens: int = PREFIX_CACHE_TOKENS):
+        self.pool, self.block = pool, pool.block_size
+        if max_tokens < self.block:
+            raise ValueError(f"prefix cache: need max_tokens >= the block size {self.block}, got {max_tokens}")
+        self.max_blocks = max_tokens // self.block
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
         self.stats = PrefixStats()
+        pool.reclaim = self._reclaim
 
     @property
     def cached_tokens(self) -> int:
         return len(self._blocks) * self.block
+
+    @property
+    def evictable(self) -> int:
+        """Cached blocks no request holds: freed when the pool needs them."""
+        return sum(self.pool.refs[b.block] == 1 for b in self._blocks.values())
 
     def _chain(self, prompt: list[int], limit: int) -> list[tuple[bytes, tuple[int, ...]]]:
         """(key, tokens) of each whole block within the first `limit` positions."""
@@ -69,15 +72,15 @@ class PrefixCache:
         for key in reversed(keys):
             self._blocks.move_to_end(key)
 
-    def load(self, prompt: list[int], kv: KVCache, slot: int) -> int:
-        """Copy the longest cached prefix of `prompt` (leaving its last position to compute) into
-        `slot`; returns how many positions it holds."""
+    def load(self, prompt: list[int], table: BlockTable) -> int:
+        """Map the longest cached prefix of `prompt` (leaving its last position to compute) into the empty
+        `table`; returns how many positions it holds."""
         hit = []
         for key, tokens in self._chain(prompt, len(prompt) - 1):
-            block = self._blocks.get(key)
-            if block is None or block.tokens != tokens:
+            cached = self._blocks.get(key)
+            if cached is None or cached.tokens != tokens:
                 break
-            kv.write_span(slot, len(hit) * self.block, block.k, block.v)
+            table.append_shared(cached.block)
             hit.append(key)
         self._touch(hit)
         n = len(hit) * self.block
@@ -86,14 +89,25 @@ class PrefixCache:
         self.stats.reused_tokens += n
         return n
 
-    def store(self, prompt: list[int], kv: KVCache, slot: int) -> None:
-        """Keep the whole blocks of `prompt`, whose K/V the prompt path has just written into `slot`."""
+    def store(self, prompt: list[int], table: BlockTable) -> None:
+        """Keep the whole blocks of `prompt`, whose K/V the prompt path has just written into `table`."""
         chain = self._chain(prompt, len(prompt))
         for i, (key, tokens) in enumerate(chain):
             if key not in self._blocks:
-                k, v = kv.read_span(slot, i * self.block, (i + 1) * self.block)
-                self._blocks[key] = _Block(tokens, k, v)
+                self.pool.retain(table.blocks[i])
+                self._blocks[key] = _Block(tokens, table.blocks[i])
         self._touch([key for key, _ in chain])
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
-            self.stats.evicted_blocks += 1
+            self._evict(next(iter(self._blocks)))
+
+    def _evict(self, key: bytes) -> None:
+        self.pool.release(self._blocks.pop(key).block)
+        self.stats.evicted_blocks += 1
+
+    def _reclaim(self) -> bool:
+        """Free the least recently used block that only the cache holds; False if there is none."""
+        key = next((k for k, b in self._blocks.items() if self.pool.refs[b.block] == 1), None)
+        if key is None:
+            return False
+        self._evict(key)
+        return True

@@ -1,4 +1,4 @@
-"""Turns spans of sequences into model forwards (rows, positions, slots, plan).
+"""Turns spans of sequences into model forwards (rows, positions, block tables, plan).
 
 A forward is a list of spans: consecutive positions of one request fed in one go
 (a prompt chunk, one decode position, a verifier window: `verifier.py` builds those).
@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.choice import KernelChoice
 from ..models.decoder import AttentionPlan, DecoderModel
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import BlockTable, KVPool, PoolExhausted
 from .sequence import Sequence
 
 
@@ -23,7 +23,7 @@ from .sequence import Sequence
 class Span:
     """Positions [start, end) of `seq`, fed in one forward; the logits of its last `logits_rows` rows
     come back."""
-    seq: Sequence | None          # None: dummy rows on the scratch slot (fixed-shape padding)
+    seq: Sequence | None          # None: dummy rows on the scratch table (fixed-shape padding)
     start: int
     end: int
     exact_attention: bool         # attend over exactly its own prefix (else: the padded batched call)
@@ -39,9 +39,9 @@ class Span:
 
 
 class Runner:
-    def __init__(self, model: DecoderModel, kv: KVCache):
+    def __init__(self, model: DecoderModel, kv: KVPool):
         self.model, self.kv, self.device = model, kv, model.device
-        self.scratch_slot = kv.allocate()  # where the dummy rows of padded verifier passes write
+        self.scratch = BlockTable.empty(kv)  # where the dummy rows of padded verifier passes write
 
     def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
         """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
@@ -52,8 +52,7 @@ class Runner:
         # Prompts always go through the invariant kernels: a prompt's K/V is then the same
         # whatever else is prefilled beside it, in whatever chunks (the ground for replay).
         spans = [Span(s, a, b, exact_attention=True, kernel_choice=KernelChoice.INVARIANT,
-                      logits_rows=b - a if s.request.sampling.prompt_logprobs is not None else int(b == s.prompt_len))
-                 for s, a, b in prefills]
+                      logits_rows=s.prefill_logits_rows(a, b)) for s, a, b in prefills]
         spans += [self._decode_span(s) for s in decodes]
         dtypes = [torch.bfloat16] * len(prefills) + [s.policy.compute_dtype for s in decodes]
         out: list[torch.Tensor | None] = [None] * len(spans)
@@ -78,22 +77,21 @@ class Runner:
     def forward(self, spans: list[Span], dtype: torch.dtype,
                 kernel_choice: KernelChoice) -> list[torch.Tensor | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
-        tokens, positions, slots, exact, batched, wanted = [], [], [], [], [], []
+        tokens, positions, exact, batched, wanted = [], [], [], [], []
+        tables, table_of = self._tables(spans)
         for span in spans:
             first = len(tokens)
             if span.seq is None:
                 tokens += [0] * span.rows
-                slots += [self.scratch_slot] * span.rows
             else:
                 tokens += span.seq.tokens(span.start, span.end - len(span.drafts)) + list(span.drafts)
-                slots += [span.seq.slot] * span.rows
             positions += range(span.start, span.end)
             (exact if span.exact_attention else batched).extend(range(first, len(tokens)))
             wanted.extend(range(len(tokens) - span.logits_rows, len(tokens)))
         dev = self.device
         logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                    torch.tensor(slots, device=dev), AttentionPlan(exact, batched), self.kv,
-                                    dtype=dtype, kernel_choice=kernel_choice,
+                                    tables, torch.tensor(table_of, device=dev), AttentionPlan(exact, batched),
+                                    self.kv, dtype=dtype, kernel_choice=kernel_choice,
                                     logits_rows=torch.tensor(wanted, dtype=torch.long, device=dev))
         # sampling, logprobs and margins read logits on the CPU (csrc/logits.cpp's fixed orders): the same
         # bits from the same logits whatever device computed them
@@ -103,6 +101,23 @@ class Runner:
             out.append(logits[at:at + span.logits_rows] if span.logits_rows else None)
             at += span.logits_rows
         return out
+
+    def _tables(self, spans: list[Span]) -> tuple[torch.Tensor, list[int]]:
+        """The block tables of the spans' requests ([T, W], -1 past a table's end; each span's positions made
+        writable first) and, per row, which of them it reads."""
+        owners = [self.scratch if span.seq is None else span.seq.cache for span in spans]
+        for span, table in zip(spans, owners):
+            try:
+                table.prepare(span.start, span.end)
+            except PoolExhausted as e:  # the scheduler reserved this step's blocks: a bug, not memory pressure
+                raise RuntimeError(f"a forward's span [{span.start}, {span.end}) found no block: {e}") from e
+        index: dict[int, int] = {}
+        for table in owners:
+            index.setdefault(id(table), len(index))
+        rows = list({id(t): t.blocks for t in owners}.values())
+        width = max(len(r) for r in rows)
+        tables = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+        return tables, [index[id(t)] for span, t in zip(spans, owners) for _ in range(span.rows)]
 
 
 def shared_choice(spans: list[Span]) -> KernelChoice:

@@ -10,7 +10,7 @@ from ..options.speculative import SpeculativeConfig
 from .proposers import Proposer, SpeculationStats
 
 if TYPE_CHECKING:
-    from ..models.kv_cache import SlotView
+    from ..models.kv_cache import BlockTable
     from .detokenize import Detokenizer
     from .logprobs import TokenLogprob
     from .structured import Matcher
@@ -66,8 +66,11 @@ class Sequence:
     policy: Any                            # the request's Policy (engine/policy.py, which reads sequences)
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    cache: SlotView | None = None          # this request's KV slot, set on admission
-    prefilled: int = 0                     # prompt positions whose K/V are written
+    cache: BlockTable | None = None        # this request's KV blocks, from admission until it leaves or is preempted
+    prefilled: int = 0                     # positions whose K/V are written by the prompt path (prefill_end at most)
+    # preempted with output: its K/V up to the last token are recomputed through the prompt path on readmission
+    recompute: bool = False
+    preemptions: int = 0
     cached_tokens: int = 0                 # of which copied from the prefix cache
     steps: int = 0                         # decode steps taken
     released: int = 0                      # output tokens already handed to the caller
@@ -100,8 +103,32 @@ class Sequence:
         return self.prompt_len + len(self.output_ids)
 
     @property
-    def slot(self) -> int | None:
-        return None if self.cache is None else self.cache.slot
+    def prefill_end(self) -> int:
+        """Where the prompt path stops: the prompt's end, or after a preemption every position but the last
+        token's (whose K/V the next decode step writes)."""
+        return self.num_tokens - 1 if self.recompute else self.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prefill_end
+
+    def prefill_logits_rows(self, start: int, end: int) -> int:
+        """How many of a prompt chunk's last rows come back as logits: all of them for prompt logprobs, else
+        the prompt's last row (it chooses the first token); none while recomputing."""
+        if self.recompute:
+            return 0
+        if self.request.sampling.prompt_logprobs is not None:
+            return end - start
+        return int(end == self.prompt_len)
+
+    def preempted(self) -> None:
+        """Its blocks were taken back: it waits to be readmitted, then recomputes its K/V (the output so far is
+        kept; a prompt not yet complete starts over)."""
+        self.cache, self.prefilled, self.drafts = None, 0, []
+        self.preemptions += 1
+        self.recompute = bool(self.output_ids)
+        if not self.recompute:
+            self.prompt_logprobs = []
 
     @property
     def next_pos(self) -> int:
@@ -123,8 +150,9 @@ class Sequence:
         return [self.token_at(p) for p in range(start, end)]
 
     def rollback(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (prompt included). The cache needs no write:
-        positions are absolute and attention never reads past a row's length."""
+        """Keep only the first `num_tokens` tokens (prompt included). The cache needs no write
+        (positions are absolute and attention never reads past a row's length); the engine frees the
+        blocks past the end after the step."""
         if num_tokens <= self.prompt_len:
             raise ValueError("the prompt is never rolled back: keep at least one output token")
         del self.output_ids[num_tokens - self.prompt_len:]

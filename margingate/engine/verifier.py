@@ -8,7 +8,7 @@ Each position is its own query row over exactly its prefix, through the invarian
 so its K/V column and logits do not depend on the other rows of the pass: a verified row is
 bitwise the row that decoding the request alone computes. Jobs share one pass per precision;
 fixed-shape jobs (`pad_to`, LLM-42) go in groups of `group`, each padded to exactly
-group x pad_to rows with dummy rows on a scratch slot, so a pass's cost does not depend on how
+group x pad_to rows with dummy rows on a scratch block table, so a pass's cost does not depend on how
 many of its rows are real.
 """
 from __future__ import annotations
@@ -59,5 +59,5 @@ class Verifier:
         return spans
 
     def _padding(self, n: int) -> Span:
-        """Dummy rows (on the runner's scratch slot): they only make the pass's shape fixed."""
+        """Dummy rows (on the runner's scratch table): they only make the pass's shape fixed."""
         return Span(None, 0, n, exact_attention=True, kernel_choice=KernelChoice.INVARIANT, logits_rows=0)

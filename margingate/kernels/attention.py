@@ -10,13 +10,14 @@ import torch
 from . import invariant, library
 from . import triton as triton_kernels
 from .choice import KernelChoice
+from .invariant import LayerKV
 
 
 @dataclass
 class AttentionPlan:
     """How the rows of one forward attend. Row indices refer to the forward's rows.
 
-    `exact`: each row attends over keys [0, its position] of its own slot (prompt rows,
+    `exact`: each row attends over keys [0, its position] of its own request (prompt rows,
     chunks, decode rows and verifier rows alike: one kernel, so they agree bitwise).
     `batched`: decode rows (one per request) attending as one padded batch: their bits depend
     on the batch (`fast`, LayerCast), as in the engines they stand for.
@@ -31,30 +32,29 @@ class AttentionPlan:
 
 @dataclass(frozen=True, slots=True)
 class PaddedBatch:
-    """The batched rows as the library's one padded SDPA call reads them: cache slots [first_slot,
-    end_slot) when they are consecutive (views, no copy), else gathered by `gather`."""
+    """The batched rows as the library's one padded SDPA call reads them: their keys gathered from their
+    block tables into [rows, kv_heads, padded_length, D]."""
     rows: torch.Tensor  # their indices among the forward's rows
-    first_slot: int
-    end_slot: int
-    gather: torch.Tensor | None  # their slots, when not consecutive
+    tables: torch.Tensor  # their block tables [rows, W]
     padded_length: int  # the longest row's key count: every row's keys padded to it
 
 
 class AttentionRows:
     """The plan as index tensors, built once per forward rather than once per layer.
 
-    With our kernel every row goes in one call: exact rows lay their key chunks from position
-    0, batched rows align theirs to the batch's longest row (`aligns`, as a padded batched
-    kernel walks them). With the library's kernels (`KernelChoice.LIBRARY`), or Triton's (no aligned
-    chunks), the batched rows instead share one padded SDPA
-    call, and only then are its gather and row split built (and its key mask, once per sliding
-    window, on first use)."""
+    Row r's keys lie in its request's block table, tables[table_of[r]] (models/kv_cache.py). With our
+    kernel every row goes in one call: exact rows lay their key chunks from position 0, batched rows
+    align theirs to the batch's longest row (`aligns`, as a padded batched kernel walks them). With the
+    library's kernels (`KernelChoice.LIBRARY`), or Triton's (no aligned chunks), the batched rows instead
+    share one padded SDPA call, and only then are its gather and row split built (and its key mask, once
+    per sliding window, on first use)."""
 
-    def __init__(self, plan: AttentionPlan, slots: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, plan: AttentionPlan, tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
                  kernel_choice: KernelChoice = KernelChoice.INVARIANT, triton: bool = False):
-        dev = slots.device
+        dev = positions.device
         self.triton = triton  # exact rows through the Triton kernel
-        self.slots, self.lengths = slots, positions + 1
+        self.tables, self.table_of, self.positions = tables, table_of, positions
+        self.lengths = positions + 1
         self.aligns = torch.zeros_like(positions)
         self.exact = self.batched = None
         if not plan.batched:
@@ -66,11 +66,9 @@ class AttentionRows:
             return
         if plan.exact:
             idx = torch.tensor(plan.exact, device=dev)
-            self.exact = (idx, slots[idx], self.lengths[idx])
-        rs = slots[plan.batched].tolist()
-        consecutive = rs == list(range(rs[0], rs[0] + len(rs)))
-        gather = None if consecutive else torch.tensor(rs, device=dev)
-        self.batched = PaddedBatch(torch.tensor(plan.batched, device=dev), rs[0], rs[0] + len(rs), gather, lmax)
+            self.exact = (idx, table_of[idx], self.lengths[idx])
+        rows = torch.tensor(plan.batched, device=dev)
+        self.batched = PaddedBatch(rows, tables[table_of[rows]], lmax)
         self._batched_lengths = lengths
         self._masks: dict[int, torch.Tensor | None] = {}
 
@@ -81,25 +79,37 @@ class AttentionRows:
         return self._masks[window]
 
 
-def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: AttentionRows, dtype: torch.dtype,
-           scale: float, window: int = 0) -> torch.Tensor:
-    """q [N, heads, D] against one layer's cache K, V [slots, kv_heads, length, D], scores times
-    `scale` (the model config's `attention_scale`); `window` > 0: each row sees only its last
-    `window` keys (sliding-window layers). Rows built for the library kernels send their batched
-    rows through one padded SDPA call, reading the cache in `dtype`."""
+def gather_padded(cache: torch.Tensor, scales: torch.Tensor, tables: torch.Tensor, length: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` keys (or values) of each table's rows from one layer's paged cache [blocks, kv_heads,
+    B, D], as [rows, kv_heads, length, D] in `dtype` (an int8 cache dequantized: code times scale)."""
+    bs = cache.shape[2]
+    idx = tables[:, :-(-length // bs)].clamp(min=0)  # -1 pads a short table: those keys are masked
+    x = cache[idx]  # [rows, blocks, kv_heads, B, D]
+    if scales.numel():
+        x = x.float() * scales[idx][..., None]
+    x = x.permute(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], -1, x.shape[4])[:, :, :length]
+    return x.to(dtype)
+
+
+def attend(q: torch.Tensor, kv: LayerKV, rows: AttentionRows, dtype: torch.dtype, scale: float,
+           window: int = 0) -> torch.Tensor:
+    """q [N, heads, D] against one layer's paged cache `kv` (invariant.LayerKV), scores times `scale` (the
+    model config's `attention_scale`); `window` > 0: each row sees only its last `window` keys (sliding-window
+    layers). Rows built for the library kernels send their batched rows through one padded SDPA call,
+    reading the cache in `dtype`."""
     if rows.batched is None:
         if rows.triton:
-            return triton_kernels.attention(q, K, V, rows.slots, rows.lengths, scale, window)
-        return invariant.attention(q, K, V, rows.slots, rows.lengths, scale, rows.aligns, window)
+            return triton_kernels.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, window)
+        return invariant.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, rows.aligns, window)
     out = torch.empty_like(q)
     if rows.exact is not None:
-        idx, slots, lengths = rows.exact
+        idx, table_of, lengths = rows.exact
         exact = triton_kernels.attention if rows.triton else invariant.attention
-        out[idx] = exact(q[idx], K, V, slots, lengths, scale, window=window)
+        out[idx] = exact(q[idx], kv, rows.tables, table_of, lengths, scale, window=window)
     b = rows.batched
-    keys = slice(b.first_slot, b.end_slot) if b.gather is None else b.gather  # a slice: views, no copy
-    kb, vb = K[keys, :, :b.padded_length], V[keys, :, :b.padded_length]
-    if kb.dtype != dtype:
-        kb, vb = kb.to(dtype), vb.to(dtype)
+    k, v, k_scale, v_scale = kv
+    kb = gather_padded(k, k_scale, b.tables, b.padded_length, dtype)
+    vb = gather_padded(v, v_scale, b.tables, b.padded_length, dtype)
     out[b.rows] = library.batched_attention(q[b.rows], kb, vb, rows.mask(window), scale)
     return out

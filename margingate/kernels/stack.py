@@ -1,8 +1,8 @@
 """The decoder stack in one compiled call (`csrc/stack.cpp`): every layer of a forward with bf16 activations
-and a bf16 cache, bitwise `models/decoder.py`'s layer-by-layer path.
+(over a bf16 or int8 paged cache), bitwise `models/decoder.py`'s layer-by-layer path.
 
 What stays fixed for a model (its `LayerSpec`, shape, weights and experts) is handed to C++ once, as a
-`StackSpec`; each call passes only the rows: hidden states, RoPE tables, caches, slots, positions, aligns.
+`StackSpec`; each call passes only the rows: hidden states, RoPE tables, the cache, block tables, positions, aligns.
 """
 from __future__ import annotations
 
@@ -52,13 +52,14 @@ def stack_spec(layer: LayerSpec, layers: list, *, heads: int, kv_heads: int, int
 
 
 def decoder_stack(h: torch.Tensor, spec, rope: tuple[torch.Tensor, torch.Tensor],
-                  local_rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slots: torch.Tensor, positions: torch.Tensor, aligns: torch.Tensor) -> torch.Tensor:
+                  local_rope: tuple[torch.Tensor, torch.Tensor], cache: list[torch.Tensor], tables: torch.Tensor,
+                  table_of: torch.Tensor, positions: torch.Tensor, aligns: torch.Tensor) -> torch.Tensor:
     """Every decoder layer of `spec` (`stack_spec`) for bf16 rows h [N, hidden], updated in place and
-    returned; K/V written into the caches [layers, S, Hkv, L, D]. `rope`: the rows' cos, sin ([N, 1, D] or
-    [N, D]); `local_rope`: the sliding layers' (the same tables where the model has one base); attention
-    chunks aligned per row as in `invariant.attention`."""
+    returned; K/V written into `cache` ([k, v, k_scale, v_scale]: KVPool.tensors) through the rows' block
+    tables (tables[table_of[r]]). `rope`: the rows' cos, sin ([N, 1, D] or [N, D]); `local_rope`: the sliding
+    layers' (the same tables where the model has one base); attention chunks aligned per row as in
+    `invariant.attention`."""
     cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in rope)
     cos_local, sin_local = (t.reshape(t.shape[0], -1).contiguous() for t in local_rope)
-    ops().decoder_stack(h, spec, cos, sin, cos_local, sin_local, k_cache, v_cache, slots, positions, aligns)
+    ops().decoder_stack(h, spec, cos, sin, cos_local, sin_local, cache, tables, table_of, positions, aligns)
     return h

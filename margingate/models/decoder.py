@@ -31,7 +31,7 @@ from ..kernels.attention import AttentionPlan, AttentionRows, attend
 from ..kernels.choice import KernelChoice
 from . import moe, rope_scaling
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVPool
 from .weights import LayerWeights, ModelWeights, build
 
 __all__ = ["AttentionPlan", "DecoderModel", "resolve_kernels"]
@@ -102,11 +102,12 @@ class DecoderModel:
         return self._library_weights[dtype]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                plan: AttentionPlan, kv: KVCache, *, dtype: torch.dtype = torch.bfloat16,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, table_of: torch.Tensor,
+                plan: AttentionPlan, kv: KVPool, *, dtype: torch.dtype = torch.bfloat16,
                 kernel_choice: KernelChoice = KernelChoice.INVARIANT,
                 logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Run N rows through the model; returns fp32 logits of `logits_rows` (default all).
+        """Run N rows through the model; returns fp32 logits of `logits_rows` (default all). Row r's K/V go
+        to (and its keys come from) its request's block table tables[table_of[r]] in the pool `kv`.
 
         `kernel_choice`: INVARIANT, every Linear, norm and activation through the invariant kernels of
         the backend (bf16 weights; `dtype` is the activations'); LIBRARY, the library's, with weights in `dtype`.
@@ -114,13 +115,13 @@ class DecoderModel:
         ops = layers.kernel_set(kernel_choice, self.triton)
         W = self.own_weights if ops.own_weights else self.weights(dtype)
         h = self._embed(tokens, W, dtype)
-        rows = AttentionRows(plan, slots, positions, kernel_choice, triton=self.triton)
+        rows = AttentionRows(plan, tables, table_of, positions, kernel_choice, triton=self.triton)
         if self._fusable(ops, dtype, kv):
             h = self._stack(h, W, kv, positions, rows)
         else:
             ropes = self._ropes(positions, dtype)
             for li, L in enumerate(W.layers):
-                h = self._layer(li, L, h, ops, ropes[li], rows, positions, slots, kv, dtype)
+                h = self._layer(li, L, h, ops, ropes[li], rows, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
         return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
@@ -141,12 +142,12 @@ class DecoderModel:
         full, local = self._rope_tables(positions, dtype)
         return [local if self.config.window(i) else full for i in range(self.config.num_layers)]
 
-    def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVCache) -> bool:
-        """The compiled stack covers our kernels with bf16 activations and cache: every forward
-        but the library's and LayerCast's fp32 ones."""
-        return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16 and kv.k.dtype == torch.bfloat16
+    def _fusable(self, ops: layers.KernelSet, dtype: torch.dtype, kv: KVPool) -> bool:
+        """The compiled stack covers our kernels with bf16 activations: every forward but the library's
+        and LayerCast's fp32 ones."""
+        return self.fused and ops is layers.INVARIANT and dtype == torch.bfloat16
 
-    def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVCache, positions: torch.Tensor,
+    def _stack(self, h: torch.Tensor, W: ModelWeights, kv: KVPool, positions: torch.Tensor,
                rows: AttentionRows) -> torch.Tensor:
         if self._stack_spec is None:  # the layer, shape and weights handed to the compiled stack once
             cfg = self.config
@@ -155,12 +156,12 @@ class DecoderModel:
                 intermediate=cfg.intermediate_size, eps=cfg.rms_eps, scale=cfg.attention_scale,
                 windows=[cfg.window(i) for i in range(cfg.num_layers)])
         full, local = self._rope_tables(positions, torch.bfloat16)
-        return compiled_stack.decoder_stack(h, self._stack_spec, full, local, kv.k, kv.v, rows.slots, positions,
-                                               rows.aligns)
+        return compiled_stack.decoder_stack(h, self._stack_spec, full, local, kv.tensors(), rows.tables,
+                                            rows.table_of, positions, rows.aligns)
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
-               rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, positions: torch.Tensor,
-               slots: torch.Tensor, kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, kv: KVPool,
+               dtype: torch.dtype) -> torch.Tensor:
         """One decoder layer: attention then MLP, each a residual branch after its RMSNorm (and, with
         sandwich norms, normed again before its add)."""
         cfg, spec, n = self.config, self.spec, h.shape[0]
@@ -174,8 +175,8 @@ class DecoderModel:
         if spec.qk_norm:  # per head, before RoPE
             q, k = norm(q, L.q_norm), norm(k, L.k_norm)
         q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
-        kv.write(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.k[li], kv.v[li], rows, dtype, cfg.attention_scale, cfg.window(li))
+        kv.write(li, rows.tables, rows.table_of, rows.positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
+        attn = attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li))
         y = ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
         if spec.sandwich_norms:
             h = h + norm(y, L.post_attention_layernorm)

@@ -1,85 +1,196 @@
-"""Slot-based KV cache: one fixed-length row per running request.
+"""The KV cache: one pool of fixed-size blocks per model, and a block table per request.
 
-Positions are absolute, so rolling a request back is just lowering its length
-(the stale columns are overwritten by the next writes and never read: attention
-only ever looks at positions below a row's current length).
+K and V live in blocks of `block_size` positions, [layers, blocks, kv_heads, block_size, head_dim]
+(int8 codes plus an fp32 scale per position and head with `dtype="int8"`). A request's `BlockTable`
+lists its blocks in position order: position p lies in row p % block_size of block blocks[p //
+block_size]. The kernels read keys through the table in logical position order, so where a block
+lies and who else holds it change no bit (`csrc/contract.h`, 6).
+
+Blocks are allocated as tokens arrive and reference-counted: the prefix cache and the n samples of one
+prompt share a prompt's blocks instead of copying them, and a write into a shared block copies it
+first (`BlockTable.prepare`). Positions are absolute, so rolling a request back only frees the blocks
+past its new length; stale rows below it are overwritten by the next writes and never read, as
+attention only looks at positions below a row's length.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import invariant
+
 Column = tuple[torch.Tensor, torch.Tensor]  # one position's K and V, every layer: [layers, kv_heads, head_dim]
+KV_DTYPES = ("bfloat16", "int8", "float32")  # float32: tests against fp32 oracles
 
 
-class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        # zeros, not empty: masked positions still enter the batched attention as 0 * v.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot
+class PoolExhausted(RuntimeError):
+    """No free block (the scheduler preempts a request and tries again)."""
 
-    # --- slots ----------------------------------------------------------------
+
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str = "bfloat16", device: torch.device | str = "cpu"):
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool: need at least one block of at least one position, "
+                             f"got {num_blocks} x {block_size}")
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.dtype, self.block_size, self.num_blocks = dtype, block_size, num_blocks
+        # empty, not zeros: a block's pages become resident when it is first handed out (and zeroed then)
+        storage = {"bfloat16": torch.bfloat16, "int8": torch.int8, "float32": torch.float32}[dtype]
+        self.k = torch.empty(shape, dtype=storage, device=device)
+        self.v = torch.empty(shape, dtype=storage, device=device)
+        scales = shape[:4] if dtype == "int8" else (0,)
+        self.k_scale = torch.empty(scales, dtype=torch.float32, device=device)
+        self.v_scale = torch.empty(scales, dtype=torch.float32, device=device)
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest, then the latest freed
+        # frees one block that only the prefix cache holds, if any (prefix_cache.py sets it); None: no cache
+        self.reclaim: Callable[[], bool] | None = None
+
+    @property
+    def int8(self) -> bool:
+        return self.dtype == "int8"
+
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free KV slot")  # the scheduler checks num_free first
-        return self._free.pop()
+    @property
+    def bytes_per_block(self) -> int:
+        per = self.k[:, 0].numel() * self.k.element_size() + self.k_scale[:, 0].numel() * 4 * self.int8
+        return 2 * per
 
-    def view(self, slot: int) -> SlotView:
-        return SlotView(self, slot)
+    def tensors(self) -> list[torch.Tensor]:
+        """[k, v, k_scale, v_scale] (scales empty unless int8): the compiled stack's view of the cache."""
+        return [self.k, self.v, self.k_scale, self.v_scale]
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-        self._free.sort(reverse=True)
+    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's K, V [blocks, kv_heads, block_size, head_dim] and their scales (empty unless int8)."""
+        if self.int8:
+            return self.k[li], self.v[li], self.k_scale[li], self.v_scale[li]
+        return self.k[li], self.v[li], self.k_scale, self.v_scale
 
-    # --- writes ---------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+    def write(self, li: int, tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [N, kv_heads, head_dim] for N (slot, position) pairs."""
-        self.k[layer, slots, :, positions] = k.to(self.k.dtype)
-        self.v[layer, slots, :, positions] = v.to(self.v.dtype)
+        """Rows' K and V [N, kv_heads, head_dim] into layer `li` at their positions of their block tables: the
+        compiled write for a bf16 or int8 cache on CPU (the stack's own, so both paths leave the same bytes),
+        indexing elsewhere (an fp32 cache keeps fp32 rows)."""
+        if self.k.device.type == "cpu" and self.dtype != "float32":
+            invariant.kv_write(self.layer(li), k.to(torch.bfloat16), v.to(torch.bfloat16), tables, table_of,
+                               positions)
+            return
+        if self.int8:
+            raise ValueError("an int8 KV cache is written by the compiled CPU kernels only")
+        blocks, rows = tables[table_of, positions // self.block_size], positions % self.block_size
+        self.k[li][blocks, :, rows] = k.to(self.k.dtype)
+        self.v[li][blocks, :, rows] = v.to(self.v.dtype)
 
-    # --- a span: positions [start, end) of one request, every layer ------------------
-    def read_span(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies: [layers, kv_heads, end - start, head_dim] each (the prefix cache keeps them)."""
-        return self.k[:, slot, :, start:end].clone(), self.v[:, slot, :, start:end].clone()
+    # --- blocks -------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free and not (self.reclaim is not None and self.reclaim()):
+            raise PoolExhausted(f"the KV pool's {self.num_blocks} blocks are all in use")
+        block = self._free.pop()
+        self.refs[block] = 1
+        # finite values everywhere: the library's padded attention multiplies masked rows by 0
+        for t in self._per_block():
+            t[:, block].zero_()
+        return block
 
-    def write_span(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = start + k.shape[2]
-        self.k[:, slot, :, start:end] = k
-        self.v[:, slot, :, start:end] = v
+    def _per_block(self) -> tuple[torch.Tensor, ...]:
+        return (self.k, self.v, self.k_scale, self.v_scale) if self.int8 else (self.k, self.v)
 
-    def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
-        """Positions [start, end) of slot `src` into slot `dst` (a fork: n samples of one prompt)."""
-        self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
-        self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+    def tables_for(self, count: int, length: int) -> torch.Tensor:
+        """`count` block tables of `length` positions each, on fresh blocks, as the kernels take them ([count, W]):
+        for callers that run the model directly (tests, scripts), with table r standing for request r."""
+        width = blocks_for(length, self.block_size)
+        return torch.tensor([[self.allocate() for _ in range(width)] for _ in range(count)], dtype=torch.long,
+                            device=self.k.device)
 
-    # --- one column: one position of one request, every layer ------------------
-    def read_column(self, slot: int, pos: int) -> Column:
-        return self.k[:, slot, :, pos].clone(), self.v[:, slot, :, pos].clone()
+    def retain(self, block: int) -> None:
+        self.refs[block] += 1
 
-    def write_column(self, slot: int, pos: int, column: Column) -> None:
-        self.k[:, slot, :, pos] = column[0]
-        self.v[:, slot, :, pos] = column[1]
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._free.append(block)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for t in self._per_block():
+            t[:, dst] = t[:, src]
 
 
-@dataclass(frozen=True, slots=True)
-class SlotView:
-    """One request's slot, all a policy may do to the cache: read a position's column (a copy)
-    and overwrite it. Rolling back needs no cache write (see the module docstring)."""
-    kv: KVCache
-    slot: int
+@dataclass(eq=False)
+class BlockTable:
+    """One request's blocks, in position order; all a policy may do to its cache is read a position's column
+    (a copy) and overwrite it."""
+    pool: KVPool
+    blocks: list[int]
+
+    @classmethod
+    def empty(cls, pool: KVPool) -> BlockTable:
+        return cls(pool, [])
+
+    def locate(self, pos: int) -> tuple[int, int]:
+        b = self.pool.block_size
+        return self.blocks[pos // b], pos % b
+
+    def prepare(self, start: int, end: int) -> None:
+        """Positions [start, end) made writable: blocks allocated up to `end`, any shared among them copied
+        first. Raises PoolExhausted (having kept what it got) when the pool runs out."""
+        b = self.pool.block_size
+        while len(self.blocks) * b < end:
+            self.blocks.append(self.pool.allocate())
+        for i in range(start // b, blocks_for(end, b)):
+            old = self.blocks[i]
+            if self.pool.refs[old] > 1:
+                new = self.pool.allocate()
+                self.pool.copy_block(old, new)
+                self.pool.release(old)
+                self.blocks[i] = new
+
+    def share(self, other: BlockTable, length: int) -> None:
+        """Hold `other`'s blocks for positions [0, length) as well (a fork of its prompt)."""
+        for block in other.blocks[:blocks_for(length, self.pool.block_size)]:
+            self.append_shared(block)
+
+    def append_shared(self, block: int) -> None:
+        self.pool.retain(block)
+        self.blocks.append(block)
+
+    def truncate(self, length: int) -> None:
+        """Free the blocks past position `length` - 1."""
+        keep = blocks_for(length, self.pool.block_size)
+        for block in self.blocks[keep:]:
+            self.pool.release(block)
+        del self.blocks[keep:]
+
+    def free(self) -> None:
+        self.truncate(0)
 
     def read(self, pos: int) -> Column:
-        return self.kv.read_column(self.slot, pos)
+        """A copy of position `pos`'s K and V, every layer (int8: its codes and scales, stacked as stored)."""
+        block, row = self.locate(pos)
+        p = self.pool
+        if p.int8:
+            return (torch.cat([p.k[:, block, :, row].float(), p.k_scale[:, block, :, row, None]], -1),
+                    torch.cat([p.v[:, block, :, row].float(), p.v_scale[:, block, :, row, None]], -1))
+        return p.k[:, block, :, row].clone(), p.v[:, block, :, row].clone()
 
     def overwrite(self, pos: int, column: Column) -> None:
-        self.kv.write_column(self.slot, pos, column)
+        self.prepare(pos, pos + 1)
+        block, row = self.locate(pos)
+        p = self.pool
+        if p.int8:
+            (k, ks), (v, vs) = ((c[..., :-1], c[..., -1]) for c in column)
+            p.k[:, block, :, row], p.k_scale[:, block, :, row] = k.to(torch.int8), ks
+            p.v[:, block, :, row], p.v_scale[:, block, :, row] = v.to(torch.int8), vs
+            return
+        p.k[:, block, :, row], p.v[:, block, :, row] = column

@@ -1,4 +1,4 @@
-"""`EngineConfig`: how an engine is sized (batch, context, threads, prefill chunks, prefix cache)."""
+"""`EngineConfig`: how an engine is sized (requests, context, KV pool, threads, prefill chunks, prefix cache)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,10 +10,15 @@ PREFIX_CACHE_TOKENS = 16384
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_batch_size: int = 16      # decode rows per step = KV slots
-    max_model_len: int = 2048     # positions per slot (prompt + output)
+    max_num_seqs: int = 64        # requests running at once (one decode row each per step)
+    max_model_len: int | None = None  # positions per request (prompt + output); None: the model's own context
+    kv_cache_memory: float | None = None  # GB for the KV pool; None: engine/pool.py's default from free memory
+    kv_block_size: int = 16       # positions per KV block
+    kv_cache_dtype: str = "bfloat16"  # or "int8": each position's K and V per head with an fp32 scale
     num_threads: int | None = None  # torch CPU threads; None: all cores
-    prefill_chunk: int | None = None  # prompt positions per request per step; None: whole prompts
+    prefill_chunk: int | None = None  # prompt positions per request per step; None: as many as the budget allows
+    # rows per step, decode rows first, then prompt chunks (a long prompt is prefilled over several steps)
+    max_num_batched_tokens: int = 4096
     prefix_cache_tokens: int = 0      # prompt positions whose K/V are kept for reuse (prefix_cache.py); 0: off
     # speculative rows only where the step profile says they pay (step_profile.py); False: every
     # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
@@ -24,7 +29,15 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_model_len < 2:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GB, got {self.kv_cache_memory}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.kv_cache_dtype not in ("bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be bfloat16 or int8, got {self.kv_cache_dtype!r}")

@@ -2,7 +2,7 @@
 
     from margingate.llm import LLM
     from margingate.server import create_app
-    app = create_app(LLM(max_batch_size=16))      # serve with uvicorn
+    app = create_app(LLM(max_num_seqs=16))      # serve with uvicorn
 
 or `margingate serve` from the command line. Needs the `server` extra (fastapi, uvicorn).
 """

@@ -9,7 +9,7 @@ from ..options import deterministic_policies
 @dataclass(frozen=True)
 class ServerConfig:
     api_key: str | None = None
-    max_queue: int = 64                # requests accepted beyond the KV slots; past that, 429
+    max_queue: int = 64                # requests accepted beyond the running ones; past that, 429
     default_policy: str = "auto"       # what `"deterministic": true` means: the cheapest guaranteed one here
     # every request that names no policy gets `default_policy`, as if it said "deterministic": true
     # (clients that cannot add fields: lm-eval's loglikelihood requests)

@@ -186,7 +186,7 @@ async def collect(state: ServerState, job: Job, handles: list[Handle]) -> dict[i
 
 async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest,
                    render: Callable[..., dict]) -> Response:
-    """Runs the request to its end, or aborts it (freeing its KV slots) when the client goes away;
+    """Runs the request to its end, or aborts it (freeing its KV blocks) when the client goes away;
     `render(state, job, outcomes)` makes the body."""
     task = asyncio.ensure_future(collect(state, job, handles))
     gone = asyncio.ensure_future(wait_disconnect(req))

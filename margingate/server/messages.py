@@ -104,7 +104,7 @@ class MessagesEndpoint(ChatEndpoint):
             yield event("error", error={"type": "api_error" if exc.status >= 500 else "invalid_request_error",
                                         "message": exc.message})
         finally:
-            if not finished:  # the client went away (or the server cancelled us): free the slots now
+            if not finished:  # the client went away (or the server cancelled us): free the KV blocks now
                 abort_all(state, handles, "disconnect")
 
 

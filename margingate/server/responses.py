@@ -215,7 +215,7 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
                                                                   else "invalid_prompt", "message": exc.message}}
         yield event("response.failed", response=failed)
     finally:
-        if not finished:  # the client went away (or the server cancelled us): free the slots now
+        if not finished:  # the client went away (or the server cancelled us): free the KV blocks now
             abort_all(state, handles, "disconnect")
 
 

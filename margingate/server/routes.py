@@ -36,7 +36,8 @@ async def health(req: HTTPRequest):
     status = "ok" if w.alive and w.accepting else "draining" if w.alive else "engine stopped"
     body = {"status": status, "model": state.model_id,
             "in_flight": w.in_flight, "running": w.running, "queued": w.queue_length,
-            "kv_slots_free": state.engine.load.free_slots, "last_error": w.last_error,
+            "kv_blocks_used": state.engine.load.blocks_used, "kv_blocks_free": state.engine.load.blocks_free,
+            "last_error": w.last_error,
             # the linear path in use, and any path this CPU has that failed its load-time proof
             "linear_path": state.environment.get("kernels_linear_path"),
             "linear_refused": state.environment.get("kernels_linear_refused", {}),

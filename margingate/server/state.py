@@ -29,10 +29,14 @@ class ServerState:
                             f"-t{engine.num_threads}")
         self.formatter = LogprobFormatter(context.tokenizer, context.lock)
         m, w = self.metrics, self.worker
-        m.gauge("queue_length", "requests accepted and waiting for a KV slot", lambda: w.queue_length)
-        m.gauge("running_requests", "requests holding a KV slot", lambda: w.running)
+        m.gauge("queue_length", "requests accepted and waiting for KV blocks", lambda: w.queue_length)
+        m.gauge("running_requests", "requests holding KV blocks", lambda: w.running)
         m.gauge("in_flight_requests", "requests accepted and not finished", lambda: w.in_flight)
-        m.gauge("kv_slots_free", "free KV slots", lambda: engine.load.free_slots)
+        m.gauge("kv_blocks_used", "KV pool blocks held by requests", lambda: engine.load.blocks_used)
+        m.gauge("kv_blocks_free", "free KV pool blocks", lambda: engine.load.blocks_free)
+        m.gauge("kv_blocks_cached", "KV pool blocks held by the prefix cache alone", lambda: engine.load.blocks_cached)
+        m.gauge("kv_preemptions", "requests preempted for KV blocks (recomputed later)",
+                lambda: engine.load.preemptions)
         m.gauge("max_queue", "queued requests allowed beyond the running ones", lambda: config.max_queue)
         m.gauge("prefix_cache_tokens", "prompt positions held by the prefix cache (0: off)",
                 lambda: engine.prefix.cached_tokens if engine.prefix is not None else 0)

@@ -2,7 +2,7 @@
 choice (tagged with its index, carrying its logprobs; chat's with its content, reasoning and the calls' names
 and argument fragments as the answer's parser decides them: call_parser.py), each choice's last chunk with its
 determinism report, usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV
-slots at once. What a chunk holds is the endpoint's (completions.py, chat.py)."""
+blocks at once. What a chunk holds is the endpoint's (completions.py, chat.py)."""
 from __future__ import annotations
 
 import json
@@ -107,13 +107,13 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
         yield sse(error_body(exc.message, kind, code=str(exc.status)))
         yield DONE
     finally:
-        if not finished:  # the client went away (or the server cancelled us): free the slots now
+        if not finished:  # the client went away (or the server cancelled us): free the KV blocks now
             abort_all(state, handles, "disconnect")
 
 
 class EventStream(StreamingResponse):
     """SSE response that aborts its requests however the response ends (client gone before the
-    first chunk included): an aborted request's KV slot is freed at once."""
+    first chunk included): an aborted request's KV blocks are freed at once."""
 
     def __init__(self, worker: EngineWorker, handles: list[Handle], content):
         super().__init__(content, media_type="text/event-stream",

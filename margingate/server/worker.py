@@ -10,7 +10,7 @@ or error).
 
 Failure isolation: a request the engine refuses gets a 400 and nothing else
 changes; if a step raises, the requests that were in the step fail with 500,
-are removed from the engine (their KV slots freed) and the loop goes on.
+are removed from the engine (their KV blocks freed) and the loop goes on.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.max_queue = max_queue
-        self.capacity = engine.config.max_batch_size + max_queue  # running + waiting
+        self.capacity = engine.config.max_num_seqs + max_queue  # running + waiting
         self.idle_poll_s = idle_poll_s
         self.heap = IdleTrim(heap_trim_idle_s)  # the C heap's free pages go back once idle (heap.py)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,7 +74,7 @@ class EngineWorker:
 
     @property
     def queue_length(self) -> int:
-        """Requests accepted but not yet holding a KV slot."""
+        """Requests accepted but not yet holding KV blocks."""
         return max(0, self._in_flight - self.running)
 
     def drain(self, grace_s: float) -> None:
@@ -116,14 +116,14 @@ class EngineWorker:
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFull(f"{self._in_flight} requests in flight (capacity {self.capacity}: "
-                                f"{self.engine.config.max_batch_size} running + {self.max_queue} queued)")
+                                f"{self.engine.config.max_num_seqs} running + {self.max_queue} queued)")
             self._in_flight += 1
         handle = Handle(request, asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", handle))
         return handle
 
     def abort(self, handle: Handle, reason: str = "aborted") -> None:
-        """The caller is done with this request (client gone, stop string): free its slot now."""
+        """The caller is done with this request (client gone, stop string): free its blocks now."""
         if not handle.closed:
             self._inbox.put(("abort", (handle, reason)))
 
@@ -240,7 +240,7 @@ class EngineWorker:
         for handle in list(self._handles.values()):
             seq = handle.seq
             try:
-                if not handle.admitted and seq.slot is not None:
+                if not handle.admitted and seq.cache is not None:
                     handle.admitted = True
                     self.metrics.observe("queue_wait_seconds", now - handle.submitted)
                     if self.engine.prefix is not None:
@@ -270,7 +270,7 @@ class EngineWorker:
             self._post(handle, Event("done", result=event.result))
 
     def _fail_step(self, exc: Exception) -> None:
-        """engine.step raised: fail every request that was in it, free their slots, go on."""
+        """engine.step raised: fail every request that was in it, free their blocks, go on."""
         self.last_error = f"{type(exc).__name__}: {exc}"
         log.error("engine step failed; failing its requests: %s", traceback.format_exc())
         self.metrics.inc("engine_step_errors_total")

@@ -19,7 +19,7 @@ def memory():  # GiB: peak resident, anonymous (our packed weights) and file-bac
     return {k: int(l.split()[1]) / 2**20 for l in open("/proc/self/status") for k in keys if l.startswith(k + ":")}
 
 t = time.perf_counter()
-llm = LLM(model=sys.argv[1], max_batch_size=1, max_model_len=256)
+llm = LLM(model=sys.argv[1], max_num_seqs=1, max_model_len=256)
 load_s, mem = time.perf_counter() - t, memory()
 policy, prompt = llm.policy("batch-invariant"), [builtin_prompts()[0]]
 def run(n):

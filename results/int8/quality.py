@@ -27,14 +27,14 @@ def held_out(n: int) -> list:
 
 def continuations(model: str, prompts: list, tokens: int) -> list[tuple[list[int], list[int]]]:
     from margingate.llm import LLM
-    llm = LLM(model, weights="bf16", max_batch_size=len(prompts))
+    llm = LLM(model, weights="bf16", max_num_seqs=len(prompts))
     out = llm.generate(prompts, max_new_tokens=tokens, policy=llm.policy("reference"), ignore_eos=True)
     return [(llm.tokenizer.encode_prompt(p), c.token_ids) for p, c in zip(prompts, out)]
 
 
 def ours(model: str, weights: str, pairs) -> list[list[tuple[float, bool]]]:
     from margingate.llm import LLM
-    llm = LLM(model, weights=weights, max_batch_size=len(pairs))
+    llm = LLM(model, weights=weights, max_num_seqs=len(pairs))
     scores = llm.score_batch(pairs, top_logprobs=1)
     return [[(t.logprob, t.top[0][0] == tok or t.top[0][1] == t.logprob) for tok, t in zip(s.token_ids, s.tokens)]
             for s in scores]

@@ -75,19 +75,19 @@ def homo_4(llm, ids, policy):
 
 def one_thread(llm, ids, policy):
     """4 prompts on an engine at 1 torch thread (the session's engine and the reference run at all cores)."""
-    return engine(llm, max_batch_size=4, num_threads=1).generate(requests(llm, ids[:4], policy, "t"))
+    return engine(llm, max_num_seqs=4, num_threads=1).generate(requests(llm, ids[:4], policy, "t"))
 
 
 def chunked_prefill(llm, ids, policy):
     """4 prompts (23 to 80 tokens) prefilled 7 positions per step: the short ones decode beside the long
     ones' chunks."""
-    return engine(llm, max_batch_size=4, prefill_chunk=7).generate(requests(llm, ids[4:], policy, "c"))
+    return engine(llm, max_num_seqs=4, prefill_chunk=7).generate(requests(llm, ids[4:], policy, "c"))
 
 
 def prefix_hit(llm, ids, policy):
     """A prefix cache: 3 prompts sent cold (every admission misses), then again (they hit), each time beside
     a `fast` request."""
-    e = engine(llm, max_batch_size=4, prefix_cache_tokens=2048)
+    e = engine(llm, max_num_seqs=4, prefix_cache_tokens=2048)
     cold = e.generate([*requests(llm, ids[:3], policy, "cold"), *fast_neighbours(llm, ids[3:4], "cf")])[:3]
     hit = e.generate([*requests(llm, ids[:3], policy, "hit"), *fast_neighbours(llm, ids[3:4], "hf")])[:3]
     assert [r.cached_tokens for r in cold] == [0] * 3 and all(r.cached_tokens > 0 for r in hit), "no hit"

@@ -104,8 +104,8 @@ void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_
   for (int64_t h = 0; h < g; ++h) weigh_values(r.acc + h * d, s[h], vc, cn, d, alpha[h]);
 }
 
-// Rows of one KV head that attend over keys [0, len_i) of the same cache rows kc, vc ([L, D]; C is
-// their storage type, bf16 or fp32). q[i]: row i's g query heads; out[i] likewise.
+// Rows of one KV head that attend over keys [0, len_i) of the same request's cache (kh, vh: where those
+// keys lie). q[i]: row i's g query heads; out[i] likewise.
 //
 // The keys go in chunks of kChunk, merged by online softmax in ascending order. Where the chunks
 // start is the rows' `align`: 0 lays them from position 0 (exact rows: a row's bits are its own);
@@ -114,9 +114,41 @@ void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_
 // neighbours, as a padded batched decode's do. Rows share a group only where their chunks start
 // at the same place; each chunk of K/V is widened to fp32 once for all of them (exact), and each
 // row takes exactly the steps it would alone. A score is q . k with hsum's order (chunk_scores).
+// One KV head of one layer's paged cache as one row group reads it: key j of the group is position lo + j
+// of the group's table, widened to fp32 (bf16 and fp32 exactly; an int8 code times its row's scale, one
+// rounding). C: the cache's storage type.
+template <typename C>
+struct CacheHead {
+  const C* data;
+  const float* scales;  // int8 only
+  const BlockTables* bt;
+  int64_t r, head, lo, hkv, block, d;
+  // keys [j0, j0 + n) into dst ([n, d] fp32), walking the table block by block
+  void widen(int64_t j0, int64_t n, float* dst) const {
+    const int64_t* table = bt->tables + bt->table_of[r] * bt->width;
+    int64_t b = (lo + j0) / block, o = (lo + j0) % block;
+    for (int64_t j = 0; j < n; ++j, dst += d) {
+      const int64_t row = (table[b] * hkv + head) * block + o;
+      widen_row(data + row * d, scales ? scales[row] : 1.0f, dst);
+      if (++o == block) o = 0, ++b;
+    }
+  }
+  void widen_row(const C* src, float scale, float* dst) const {
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
+      }
+    } else {
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+    }
+  }
+};
+
 template <typename T, typename C>
-void attend_group(const T* const* q, const C* kc, const C* vc, const int64_t* len, int64_t rows, int64_t align,
-                  int64_t g, int64_t d, float scale, T* const* out) {
+void attend_group(const T* const* q, const CacheHead<C>& kh, const CacheHead<C>& vh, const int64_t* len, int64_t rows,
+                  int64_t align, int64_t g, int64_t d, float scale, T* const* out) {
   const int64_t per_row = 2 * g * d + 2 * g;
   static thread_local std::vector<float> buf;
   buf.resize(rows * per_row + 2 * kChunk * d);
@@ -134,10 +166,8 @@ void attend_group(const T* const* q, const C* kc, const C* vc, const int64_t* le
   const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;
   for (int64_t c0 = 0, size = first; c0 < longest; c0 += size, size = kChunk) {
     const int64_t cn = std::min(size, longest - c0);
-    for (int64_t e = 0; e < cn * d; e += 8) {
-      _mm256_storeu_ps(kf + e, load8(kc + c0 * d + e));
-      _mm256_storeu_ps(vf + e, load8(vc + c0 * d + e));
-    }
+    kh.widen(c0, cn, kf);
+    vh.widen(c0, cn, vf);
     for (int64_t i = 0; i < rows; ++i)
       if (len[i] > c0) row_chunk(st[i], kf, vf, std::min(cn, len[i] - c0), g, d, scale);
   }
@@ -146,13 +176,13 @@ void attend_group(const T* const* q, const C* kc, const C* vc, const int64_t* le
       for (int64_t e = 0; e < d; ++e) out[i][h * d + e] = static_cast<T>(st[i].acc[h * d + e] / st[i].den[h]);
 }
 
-// Groups: runs of rows of one slot whose chunks start at 0 (a prompt's rows, a verifier window), so
+// Groups: runs of rows of one request (one block table) whose chunks start at 0 (a prompt's rows, a verifier window), so
 // a chunk of K/V is widened once for all of them; any other row is a group of its own. Returns each
 // group's first row, then n.
-std::vector<int64_t> group_starts(const int64_t* slot, const int64_t* align, int64_t n, int64_t window) {
+std::vector<int64_t> group_starts(const int64_t* table, const int64_t* align, int64_t n, int64_t window) {
   std::vector<int64_t> starts;
   for (int64_t r = 0; r < n; ++r) {
-    const bool joins = r > 0 && r - starts.back() < kGroupRows && slot[r] == slot[r - 1] && window == 0 &&
+    const bool joins = r > 0 && r - starts.back() < kGroupRows && table[r] == table[r - 1] && window == 0 &&
                        align[r] == 0 && align[r - 1] == 0;
     if (!joins) starts.push_back(r);
   }
@@ -175,16 +205,15 @@ std::vector<int64_t> costliest_first(const std::vector<int64_t>& starts, const i
   return tasks;
 }
 
-// One task: rows [r0, r0 + rows) against KV head kvh of their slot. q, out: [N, H, D] of T; the caches
-// [S, Hkv, L, D] of C.
+// One task: rows [r0, r0 + rows) against KV head kvh of their request's cache. q, out: [N, H, D] of T.
 template <typename T, typename C>
-void run_task(const T* q, const C* kc, const C* vc, T* out, const int64_t* slot, const int64_t* len,
-              const int64_t* align, int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t hkv, int64_t lmax,
-              int64_t d, int64_t window, float scale) {
-  const int64_t g = h / hkv;
+void run_task(const T* q, const LayerCache& c, const BlockTables& bt, T* out, const int64_t* len, const int64_t* align,
+              int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale) {
+  const int64_t g = h / c.kv_heads, d = c.d;
   // the group's keys are [lo, len): attend_group sees them as a prefix starting at lo
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, len[r0] - window) : 0;
-  const int64_t off = ((slot[r0] * hkv + kvh) * lmax + lo) * d, al = align[r0] ? align[r0] - lo : 0;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, len[r0] - window) : 0, al = align[r0] ? align[r0] - lo : 0;
+  const CacheHead<C> kh{static_cast<const C*>(c.k), c.k_scale, &bt, r0, kvh, lo, c.kv_heads, c.block, d};
+  const CacheHead<C> vh{static_cast<const C*>(c.v), c.v_scale, &bt, r0, kvh, lo, c.kv_heads, c.block, d};
   int64_t keys[kGroupRows];
   const T* qs[kGroupRows];
   T* os[kGroupRows];
@@ -193,57 +222,54 @@ void run_task(const T* q, const C* kc, const C* vc, T* out, const int64_t* slot,
     qs[r] = q + ((r0 + r) * h + kvh * g) * d;
     os[r] = out + ((r0 + r) * h + kvh * g) * d;
   }
-  attend_group(qs, kc + off, vc + off, keys, rows, al, g, d, scale, os);
+  attend_group(qs, kh, vh, keys, rows, al, g, d, scale, os);
+}
+
+template <typename T>
+void run_task_for(const T* q, const LayerCache& c, const BlockTables& bt, T* out, const int64_t* len,
+                  const int64_t* align, int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale) {
+  if (c.dtype == at::kChar) run_task<T, int8_t>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
+  else if (c.dtype == at::kFloat) run_task<T, float>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
+  else run_task<T, bf16>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
 }
 
 }  // namespace
 
+// Row r attends over keys [0, lengths[r]) of its request's paged cache (kernels.h: BlockTables, LayerCache).
 // `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_group).
 // `window` > 0: a row sees only its last `window` keys (sliding-window layers) and lays its
 // chunks from the first of them, so its bits stay a function of its own position.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
+                     const at::Tensor& table_of, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
                      int64_t window) {
   check_cpu(q, "q");
-  check_cpu(k_cache, "k_cache");
-  check_cpu(v_cache, "v_cache");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "attention: q [N, H, D], caches [S, Hkv, L, D]");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-              (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat),
-              "attention: the KV cache must be bf16 or fp32");
-  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), lmax = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && d % 8 == 0 && d <= 256, "attention: head dim must be a multiple of 8, <= 256");
+  const LayerCache c = layer_cache(k_cache, v_cache, k_scale, v_scale);
+  TORCH_CHECK(q.dim() == 3, "attention: q [N, H, D]");
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = c.kv_heads;
+  TORCH_CHECK(c.d == d && d % 8 == 0 && d <= 256, "attention: head dim must be a multiple of 8, <= 256");
   TORCH_CHECK(h % hkv == 0 && h / hkv <= kMaxGroup, "attention: query heads must be a multiple of KV heads (<= 16x)");
-  at::Tensor sl = slots.to(at::kLong).contiguous(), ln = lengths.to(at::kLong).contiguous();
-  at::Tensor al = aligns.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == n && ln.numel() == n && al.numel() == n, "attention: one slot, length, align per row");
+  at::Tensor ln = lengths.to(at::kLong).contiguous(), al = aligns.to(at::kLong).contiguous();
+  TORCH_CHECK(table_of.numel() == n && ln.numel() == n && al.numel() == n, "attention: one table, length, align per row");
   TORCH_CHECK(window >= 0, "attention: window must be >= 0");
-  const int64_t* sp = sl.data_ptr<int64_t>();
+  const BlockTables bt = block_tables(tables, table_of, ln, k_cache.size(0), c.block);
   const int64_t* lp = ln.data_ptr<int64_t>();
   const int64_t* ap = al.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < k_cache.size(0) && lp[r] >= 1 && lp[r] <= lmax && ap[r] >= 0,
-                "attention: slot, length or align out of range");
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ap[r] >= 0, "attention: align out of range");
   at::Tensor out = at::empty_like(q);
-  const std::vector<int64_t> starts = group_starts(sp, ap, n, window);
+  const std::vector<int64_t> starts = group_starts(bt.table_of, ap, n, window);
   const std::vector<int64_t> tasks = costliest_first(starts, lp, hkv);
-  const bool fp32_q = q.scalar_type() == at::kFloat, fp32_cache = k_cache.scalar_type() == at::kFloat;
+  const bool fp32_q = q.scalar_type() == at::kFloat;
   const float sc = static_cast<float>(scale);
   std::atomic<int64_t> next{0};  // which thread runs a task changes no bit
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(tasks.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t t; (t = next++) < int64_t(tasks.size());) {
       const int64_t i = tasks[t] / hkv, kvh = tasks[t] % hkv, r0 = starts[i], rows = starts[i + 1] - r0;
-      if (fp32_q && fp32_cache)
-        run_task(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                 sp, lp, ap, r0, rows, kvh, h, hkv, lmax, d, window, sc);
-      else if (fp32_q)
-        run_task(q.data_ptr<float>(), u16(k_cache), u16(v_cache), out.data_ptr<float>(), sp, lp, ap, r0, rows, kvh,
-                 h, hkv, lmax, d, window, sc);
+      if (fp32_q)
+        run_task_for(q.data_ptr<float>(), c, bt, out.data_ptr<float>(), lp, ap, r0, rows, kvh, h, window, sc);
       else
-        run_task(q.data_ptr<bf16>(), u16(k_cache), u16(v_cache), out.data_ptr<bf16>(), sp, lp, ap, r0, rows, kvh,
-                 h, hkv, lmax, d, window, sc);
+        run_task_for(q.data_ptr<bf16>(), c, bt, out.data_ptr<bf16>(), lp, ap, r0, rows, kvh, h, window, sc);
     }
   });
   return out;

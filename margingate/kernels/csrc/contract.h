@@ -44,6 +44,12 @@
 //       offset, then acc = acc + float(M) * (scale * d_off). Then + bias, then one rounding, as in 1.
 //    Vectorized across columns and rows only, never across k; threads split columns and rows. So a
 //    row's outputs are the same bits at any batch size, thread count and ISA, the scalar reference's.
+// 6. the KV cache (paged_kv.cpp): K/V live in blocks of positions; a row reads its keys through its
+//    request's block table in logical position order, so where its blocks lie, who shares them and what
+//    else is in the pool change no bit (3's chunks are counted in positions, not blocks). An int8 cache
+//    stores each (position, KV head) by itself: amax = max |v|, scale = amax / 127, code = clamp(
+//    rne(v / scale), -127, 127) (IEEE division); amax = 0: scale 0, codes 0; a NaN or infinity: scale NaN.
+//    It reads back as code * scale (one fp32 rounding), then as 3.
 //
 // Everything below has internal linkage: the ISA translation units (linear_avx512.cpp,
 // linear_amx.cpp) include this header under their own target pragma, and no copy compiled for one

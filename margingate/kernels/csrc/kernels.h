@@ -101,9 +101,37 @@ std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool norm
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const ExpertSet& set);
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set);  // route, then experts
 
+// paged_kv.cpp: the KV cache in blocks (models/kv_cache.py's KVPool). One layer's K or V is [blocks, Hkv, B, D]:
+// bf16, fp32, or int8 codes with one fp32 scale per (block, KV head, row) in [blocks, Hkv, B]. Position p of a
+// forward's row r lies in row p % B of block tables[table_of[r]][p / B] (tables [T, W], table_of [N], int64).
+struct BlockTables {
+  const int64_t* tables;
+  const int64_t* table_of;
+  int64_t width, block;
+  int64_t block_of(int64_t r, int64_t p) const { return tables[table_of[r] * width + p / block]; }
+};
+// The tables, checked: every block that rows of these `lengths` (positions + 1) reach lies in [0, num_blocks).
+BlockTables block_tables(const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& lengths,
+                         int64_t num_blocks, int64_t block);
+// One layer's cache as the kernels read and write it (scales null unless int8).
+struct LayerCache {
+  at::ScalarType dtype;
+  void *k, *v;
+  float *k_scale, *v_scale;
+  int64_t kv_heads, block, d;
+  int64_t row_of(int64_t blk, int64_t head, int64_t p) const { return (blk * kv_heads + head) * block + p % block; }
+};
+LayerCache layer_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale);
+// Row r's K and V (kv_heads x d bf16 each) into position pos; int8: each head's d values quantized by themselves.
+void store_kv_row(const LayerCache& c, const BlockTables& bt, int64_t r, int64_t pos, const bf16* k, const bf16* v);
+void kv_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+              const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables, const at::Tensor& table_of,
+              const at::Tensor& positions);
+
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
+                     const at::Tensor& table_of, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
                      int64_t window);
 
 // rowwise.cpp
@@ -136,8 +164,9 @@ struct StackSpec {
   void check() const;  // counts and shapes agree (a named error otherwise)
 };
 void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
-                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
-                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns);
+                   const at::Tensor& cos_local, const at::Tensor& sin_local, const std::vector<at::Tensor>& cache,
+                   const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
+                   const at::Tensor& aligns);
 std::vector<std::pair<std::string, double>> stack_profile(bool on);
 
 namespace {

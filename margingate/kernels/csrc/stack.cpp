@@ -10,7 +10,7 @@
 namespace mg {
 namespace {
 
-// models/decoder.py's layer for a forward with bf16 activations and a bf16 cache (each row's
+// models/decoder.py's layer for a forward with bf16 activations (each row's
 // attention chunks aligned as `aligns` says, see attend_row): the same kernels in the same order, called from here
 // instead of ~14 Python dispatches per layer. RoPE and the residual adds round each op
 // to bf16 as PyTorch's elementwise bf16 ops do (compute in fp32, round to nearest even),
@@ -57,34 +57,46 @@ WeightIndex weight_index(const std::vector<std::string>& names) {
 
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
-void check_rows(const at::Tensor& h, const StackSpec& spec, std::initializer_list<const at::Tensor*> ropes,
-                const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// The model's cache as the stack reads it: K, V [layers, blocks, Hkv, B, D] and, for an int8 cache, their
+// scales [layers, blocks, Hkv, B] (empty tensors otherwise).
+struct StackCache {
+  at::Tensor k, v, k_scale, v_scale;
+  LayerCache layer(int64_t li) const {
+    const bool int8 = k_scale.numel() > 0;
+    return layer_cache(k[li], v[li], int8 ? k_scale[li] : k_scale, int8 ? v_scale[li] : v_scale);
+  }
+};
+
+StackCache stack_cache(const std::vector<at::Tensor>& cache, const StackSpec& spec) {
+  TORCH_CHECK(cache.size() == 4, "decoder_stack: the cache as [k, v, k_scale, v_scale] (scales empty unless int8)");
+  const StackCache c{cache[0], cache[1], cache[2], cache[3]};
+  TORCH_CHECK(c.k.dim() == 5 && c.k.sizes() == c.v.sizes() && c.k.is_contiguous() && c.v.is_contiguous(),
+              "decoder_stack: contiguous caches [layers, blocks, Hkv, B, D]");
+  TORCH_CHECK(int64_t(spec.windows.size()) == c.k.size(0), "decoder_stack: one cache layer per layer");
+  TORCH_CHECK(c.k.size(2) == spec.kv_heads, "decoder_stack: the cache's KV heads");
+  TORCH_CHECK(spec.kv_heads * c.k.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  return c;
+}
+
+void check_rows(const at::Tensor& h, std::initializer_list<const at::Tensor*> ropes, int64_t d) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kBFloat16, "decoder_stack: h [N, hidden] bf16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5,
-              "decoder_stack: contiguous bf16 caches [layers, S, Hkv, L, D]");
-  TORCH_CHECK(int64_t(spec.windows.size()) == k_cache.size(0), "decoder_stack: one cache layer per layer");
   const at::Tensor& cos = **ropes.begin();
   for (const at::Tensor* t : ropes)
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->sizes() == cos.sizes(),
                 "decoder_stack: cos, sin (global and local) [N, D] bf16");
-  TORCH_CHECK(k_cache.size(2) == spec.kv_heads && cos.size(0) == h.size(0) && cos.size(1) == k_cache.size(4),
-              "decoder_stack: shapes");
-  TORCH_CHECK(spec.kv_heads * k_cache.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  TORCH_CHECK(cos.size(0) == h.size(0) && cos.size(1) == d, "decoder_stack: shapes");
 }
 
 // Where a layer's rows go in the cache, and the rotary tables they use.
 struct RowsInCache {
-  const int64_t* slot;
+  const BlockTables& bt;
+  const LayerCache& cache;
   const int64_t* pos;
   const bf16* cos;
   const bf16* sin;
-  bf16* k;  // the layer's [S, Hkv, L, D]
-  bf16* v;
-  int64_t lmax;
 };
 
-// Row by row: q rotated into `q`; k rotated and v copied into the cache at the row's position.
+// Row by row: q rotated into `q`; k rotated and v stored into the cache at the row's position.
 // q_in, k_in: the rows' q and k (Gemma's normed copies, else inside qkv).
 void rotate_and_cache(const at::Tensor& qkv, const bf16* q_in, int64_t q_stride, const bf16* k_in,
                       int64_t k_stride, const RowsInCache& c, int64_t heads, int64_t kv_heads, int64_t d,
@@ -98,11 +110,7 @@ void rotate_and_cache(const at::Tensor& qkv, const bf16* q_in, int64_t q_stride,
       rope_row(q_in + r * q_stride, cs, sn, heads, d, q.data_ptr<bf16>() + r * qs);
       alignas(64) bf16 k_rot[kMaxKV];
       rope_row(k_in + r * k_stride, cs, sn, kv_heads, d, k_rot);
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const int64_t off = ((c.slot[r] * kv_heads + g) * c.lmax + c.pos[r]) * d;
-        std::memcpy(c.k + off, k_rot + g * d, d * sizeof(bf16));
-        std::memcpy(c.v + off, v_in + g * d, d * sizeof(bf16));
-      }
+      store_kv_row(c.cache, c.bt, r, c.pos[r], k_rot, v_in);
     }
   });
 }
@@ -134,24 +142,23 @@ void StackSpec::check() const {
 }
 
 // h [N, hidden] bf16, updated in place through every layer of `spec`. cos, sin [N, D] bf16 (the rows'
-// positions; cos_local, sin_local: the sliding layers' tables); caches [layers, S, Hkv, L, D] bf16.
+// positions; cos_local, sin_local: the sliding layers' tables); `cache` (StackCache) read and written through
+// the rows' block tables (kernels.h: BlockTables).
 void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
-                   const at::Tensor& cos_local, const at::Tensor& sin_local, at::Tensor k_cache, at::Tensor v_cache,
-                   const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& aligns) {
+                   const at::Tensor& cos_local, const at::Tensor& sin_local, const std::vector<at::Tensor>& cache,
+                   const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
+                   const at::Tensor& aligns) {
   const WeightIndex ix = weight_index(spec.names);
-  check_rows(h, spec, {&cos, &sin, &cos_local, &sin_local}, k_cache, v_cache);
-  const int64_t n = h.size(0), d = k_cache.size(4), lmax = k_cache.size(3), nslots = k_cache.size(1);
+  const StackCache kv = stack_cache(cache, spec);
+  const int64_t n = h.size(0), d = kv.k.size(4);
+  check_rows(h, {&cos, &sin, &cos_local, &sin_local}, d);
   const int64_t heads = spec.heads, kv_heads = spec.kv_heads, qs = heads * d, kvs = kv_heads * d;
-  const int64_t layer_stride = nslots * kv_heads * lmax * d;
   const bool offset = spec.unit_offset_norms, sandwich = spec.sandwich_norms;
-  at::Tensor sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
+  const at::Tensor lengths = positions.to(at::kLong) + 1, ps = lengths - 1;
+  const BlockTables bt = block_tables(tables, table_of, lengths, kv.k.size(1), kv.k.size(3));
   const int64_t* pp = ps.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < nslots && pp[r] >= 0 && pp[r] < lmax, "decoder_stack: slot or position out of range");
-  const at::Tensor lengths = ps + 1;
   at::Tensor q = at::empty({n, heads, d}, h.options());
-  for (int64_t li = 0; li < k_cache.size(0); ++li) {
+  for (int64_t li = 0; li < kv.k.size(0); ++li) {
     const at::Tensor* W = &spec.weights[li * ix.per_layer];
     const int64_t window = spec.windows[li];
     at::Tensor x, qkv, attn, y, gu, act, qn, kn;
@@ -164,14 +171,19 @@ void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, c
     }
     {
       Phase p{2};
-      const RowsInCache c{sp, pp, (window ? cos_local : cos).data_ptr<bf16>(),
-                          (window ? sin_local : sin).data_ptr<bf16>(), k_cache.data_ptr<bf16>() + li * layer_stride,
-                          v_cache.data_ptr<bf16>() + li * layer_stride, lmax};
+      const LayerCache layer = kv.layer(li);
+      const RowsInCache c{bt, layer, pp, (window ? cos_local : cos).data_ptr<bf16>(),
+                          (window ? sin_local : sin).data_ptr<bf16>()};
       const bf16* qkvp = qkv.data_ptr<bf16>();
       if (spec.qk_norm) rotate_and_cache(qkv, qn.data_ptr<bf16>(), qs, kn.data_ptr<bf16>(), kvs, c, heads, kv_heads, d, q);
       else rotate_and_cache(qkv, qkvp, qs + 2 * kvs, qkvp + qs, qs + 2 * kvs, c, heads, kv_heads, d, q);
     }
-    { Phase p{3}; attn = attention(q, k_cache[li], v_cache[li], sl, lengths, aligns, spec.scale, window); }
+    {
+      Phase p{3};
+      const bool int8 = kv.k_scale.numel() > 0;
+      attn = attention(q, kv.k[li], kv.v[li], int8 ? kv.k_scale[li] : kv.k_scale, int8 ? kv.v_scale[li] : kv.v_scale,
+                       tables, table_of, lengths, aligns, spec.scale, window);
+    }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[ix.o], h.size(1), maybe(W[ix.o_bias]), false); }
     if (sandwich) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], spec.eps, offset); }
     { Phase p{4}; add_into(h, y); }

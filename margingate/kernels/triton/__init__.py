@@ -145,38 +145,50 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              lengths: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of slot slots[r] of one layer's caches
-    [S, Hkv, L, D] (KVCache.k[layer]); `window` > 0: only the last `window` of them. GQA: query head h
-    reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller keeps slots in [0, S) and
-    lengths in [1, L] (checked under the interpreter; a CUDA check would cost a sync per layer)."""
+def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor,
+              scale: float, window: int = 0) -> torch.Tensor:
+    """Row r of q [N, H, D] attends over keys [0, lengths[r]) of its block table tables[table_of[r]] in one
+    layer's paged cache `kv` (K, V [blocks, Hkv, B, D], scales: KVPool.layer; `window` > 0: only the last
+    `window` keys). GQA: query head h reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller
+    keeps the tables and lengths in range (checked under the interpreter; a CUDA check would cost a sync per
+    layer)."""
     k = _kernels()
+    k_cache, v_cache, k_scale, _ = kv
     n, h, d = q.shape
+    if k_scale.numel():
+        raise ValueError("attention: the Triton kernel reads a bf16 KV cache; an int8 cache runs on the compiled "
+                         "CPU kernels (--kv-cache-dtype int8 with --kernels compiled)")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != d or h % k_cache.shape[1]:
-        raise ValueError(f"attention: q [N, H, D], caches [S, Hkv, L, D] with Hkv dividing H; got "
+        raise ValueError(f"attention: q [N, H, D], caches [blocks, Hkv, B, D] with Hkv dividing H; got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if slots.shape != (n,) or lengths.shape != (n,):
-        raise ValueError(f"attention: one slot and one length per row; got slots {tuple(slots.shape)}, "
+    if table_of.shape != (n,) or lengths.shape != (n,):
+        raise ValueError(f"attention: one table and one length per row; got table_of {tuple(table_of.shape)}, "
                          f"lengths {tuple(lengths.shape)}")
     if k.interpreted:
-        _check_rows(slots, lengths, k_cache.shape[0], k_cache.shape[2])
+        _check_rows(tables, table_of, lengths, k_cache.shape[0], k_cache.shape[2])
     qc, kc, vc = _operand(q, "q"), _operand(k_cache, "k_cache"), _operand(v_cache, "v_cache")
+    tables = tables.contiguous()
     out = _output((n, h, d), q)
     if n:
         k.attention.attention_kernel[(n, h)](
-            qc, kc, vc, out, slots.contiguous(), lengths.contiguous(), float(scale), int(window), d,
-            qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
+            qc, kc, vc, out, tables, table_of.contiguous(), lengths.contiguous(), float(scale), int(window), d,
+            k_cache.shape[2], qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0),
+            out.stride(1), tables.stride(0),
             GROUP=h // k_cache.shape[1], BLOCK_D=max(16, 1 << (d - 1).bit_length()), CHUNK=k.attention.CHUNK,
             num_warps=k.attention.NUM_WARPS, **_LAUNCH)
     return _finish(out, q.dtype)
 
 
-def _check_rows(slots: torch.Tensor, lengths: torch.Tensor, num_slots: int, max_len: int) -> None:
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-        raise ValueError(f"attention: slots must be in [0, {num_slots})")
-    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > max_len):
-        raise ValueError(f"attention: lengths must be in [1, {max_len}]")
+def _check_rows(tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor, num_blocks: int,
+                block: int) -> None:
+    if table_of.numel() and (int(table_of.min()) < 0 or int(table_of.max()) >= tables.shape[0]):
+        raise ValueError(f"attention: table_of must be in [0, {tables.shape[0]})")
+    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > tables.shape[1] * block):
+        raise ValueError(f"attention: lengths must be in [1, {tables.shape[1] * block}]")
+    for r in range(table_of.numel()):
+        used = tables[int(table_of[r]), :-(-int(lengths[r]) // block)]
+        if int(used.min()) < 0 or int(used.max()) >= num_blocks:
+            raise ValueError(f"attention: row {r}'s block table leaves the pool's {num_blocks} blocks")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:

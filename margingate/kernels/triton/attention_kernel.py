@@ -1,7 +1,8 @@
-"""The batch-invariant Triton attention over the slot KV cache.
+"""The batch-invariant Triton attention over the paged KV cache.
 
 One program per (row, query head), for prompt rows, decode rows and verifier rows alike. A row's
-keys are [lo, length) of its own slot (lo = 0, or length - window for sliding-window layers),
+keys are [lo, length) of its request (lo = 0, or length - window for sliding-window layers), found
+through its block table (position p: row p % BLOCK of block table[p // BLOCK]),
 walked in CHUNK-key steps from lo and merged by online softmax in ascending order: a fixed
 chunk size, not a fixed number of splits (SGLang's deterministic attention, vLLM's
 batch_invariant.py), so the chunk edges, and with them the bits, are a function of the row's own
@@ -33,26 +34,27 @@ def _chunk_update(q, k_ptrs, v_ptrs, keys, length, d_ok, m, den, acc, scale):
 
 # window is not specialized on (a layer's window, 0 or not, runs one binary); D is a model constant.
 @triton.jit(do_not_specialize=["window"])
-def attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, len_ptr, scale, window, D,
-                     sq_n, sq_h, sk_s, sk_h, sk_l, so_n, so_h,
+def attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, table_of_ptr, len_ptr, scale, window, D, BLOCK,
+                     sq_n, sq_h, sk_b, sk_h, sk_l, so_n, so_h, st_t,
                      GROUP: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """Row r, head h: softmax(q . k * scale) v over keys [lo, lengths[r]) of slot slots[r], KV head h // GROUP.
-    Strides: q / o [N, H, D] and caches [S, Hkv, L, D], the last dim contiguous."""
+    """Row r, head h: softmax(q . k * scale) v over keys [lo, lengths[r]) of the row's block table, KV head
+    h // GROUP. Strides: q / o [N, H, D], caches [blocks, Hkv, BLOCK, D] (the last dim contiguous), tables [T, W]."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    table = tables_ptr + tl.load(table_of_ptr + row).to(tl.int64) * st_t
     length = tl.load(len_ptr + row).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # branch-free: one type for lo
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(q_ptr + row * sq_n + head * sq_h + d, mask=d_ok, other=0.0).to(tl.float32)
-    base = slot * sk_s + (head // GROUP) * sk_h
+    kv_head = (head // GROUP) * sk_h
     m = tl.full((), float("-inf"), tl.float32)
     den = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for c0 in range(lo, length, CHUNK):
         keys = c0 + tl.arange(0, CHUNK)
-        offs = base + keys.to(tl.int64)[:, None] * sk_l + d[None, :]
+        blocks = tl.load(table + keys // BLOCK, mask=keys < length, other=0).to(tl.int64)
+        offs = blocks[:, None] * sk_b + kv_head + (keys % BLOCK).to(tl.int64)[:, None] * sk_l + d[None, :]
         m, den, acc = _chunk_update(q, k_ptr + offs, v_ptr + offs, keys, length, d_ok, m, den, acc, scale)
     out = acc / tl.where(den > 0, den, 1.0)  # den = 0 only for an empty row (length 0): zeros, not NaN
     tl.store(o_ptr + row * so_n + head * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)

@@ -17,7 +17,7 @@ import transformers as tf
 
 from margingate.models import build_model
 from margingate.models.decoder import AttentionPlan
-from margingate.models.kv_cache import KVCache
+from margingate.models.kv_cache import KVPool
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir
 
 BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -58,8 +58,10 @@ def logprobs(model, folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, t
     config = load_config(folder)
     ours = build_model(config, load_state_dict(folder, torch.bfloat16))
     n = tokens.shape[0]
-    kv = KVCache(config.num_layers, 1, n, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
-    got = ours.forward(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n), kv,
+    kv = KVPool(config.num_layers, -(-n // 16), 16, config.num_kv_heads, config.head_dim, "float32")
+    tables = kv.tables_for(1, n)
+    got = ours.forward(tokens, torch.arange(n), tables, torch.zeros(n, dtype=torch.long), AttentionPlan.all_exact(n),
+                       kv,
                        dtype=torch.float32)
     with torch.no_grad():
         want = model(tokens[None]).logits[0].float()

@@ -95,7 +95,7 @@ def main() -> None:
             if name == CONTROL:
                 config = json.loads((folder / "config.json").read_text())
                 (folder / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
-            llm = LLM(str(folder if name == CONTROL else gguf), max_batch_size=4)
+            llm = LLM(str(folder if name == CONTROL else gguf), max_num_seqs=4)
             ids = [r.prompt_ids for r in llm.requests(PROMPTS)]
             ours = [c.token_ids for c in llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                                       policy=llm.policy("reference"))]

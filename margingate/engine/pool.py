@@ -1,0 +1,62 @@
+"""Sizing the KV pool: how many blocks an engine gets, and the context that leaves its requests.
+
+`--kv-cache-memory` GB, or by default a share of the memory available when the engine starts (at most what
+`max_num_seqs` requests at the full context would use). The pool is reserved, not touched: a block's pages
+become resident when it is first handed out, so an idle engine's resident memory does not grow with it.
+"""
+from __future__ import annotations
+
+from ..models.config import ModelConfig
+from ..models.decoder import DecoderModel
+from ..models.kv_cache import KVPool, blocks_for
+from ..options.engine import EngineConfig
+
+DEFAULT_MEMORY_SHARE = 0.4   # of MemAvailable at start
+# blocks the verifier's fixed-shape passes may hold for their dummy rows (runner.py's scratch table): kept
+# out of one request's context, so a request alone always fits
+SCRATCH_BLOCKS = 64
+
+
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def bytes_per_position(config: ModelConfig, kv_dtype: str) -> int:
+    """K and V of one position, every layer (int8: codes and one fp32 scale per head)."""
+    per_head = config.head_dim + 4 if kv_dtype == "int8" else 2 * config.head_dim
+    return 2 * config.num_layers * config.num_kv_heads * per_head
+
+
+def pool_blocks(model_config: ModelConfig, config: EngineConfig) -> int:
+    per_block = bytes_per_position(model_config, config.kv_cache_dtype) * config.kv_block_size
+    if config.kv_cache_memory is not None:
+        blocks = int(config.kv_cache_memory * 1e9) // per_block
+        if blocks < 2:
+            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} GB holds {blocks} blocks of "
+                             f"{config.kv_block_size} positions ({per_block} bytes each): too small for one request")
+        return blocks
+    context = min(config.max_model_len or model_config.max_position, model_config.max_position)
+    needed = config.max_num_seqs * blocks_for(context, config.kv_block_size) + SCRATCH_BLOCKS
+    return max(2, min(needed, int(available_bytes() * DEFAULT_MEMORY_SHARE) // per_block))
+
+
+def build_pool(model: DecoderModel, config: EngineConfig) -> KVPool:
+    mc = model.config
+    return KVPool(mc.num_layers, pool_blocks(mc, config), config.kv_block_size, mc.num_kv_heads, mc.head_dim,
+                  config.kv_cache_dtype, model.device)
+
+
+def context_length(model_config: ModelConfig, config: EngineConfig, pool: KVPool) -> int:
+    """Positions one request may reach: the model's trained context (or --max-model-len), within what the pool
+    holds beside the verifier's scratch blocks."""
+    wanted = min(config.max_model_len or model_config.max_position, model_config.max_position)
+    room = max(pool.num_blocks - SCRATCH_BLOCKS, pool.num_blocks // 2) * pool.block_size
+    return max(2, min(wanted, room))
