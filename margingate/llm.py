@@ -84,15 +84,14 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
+        self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
                               prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
                               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens)
-        self.engine = Engine(self.model, config, lambda: self.default_policy)
-        self.engine.detokenize = text_decoder(self.tokenizer.hf)
-        self.engine.grammars = self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
-        if draft_model is not None:
-            self.engine.draft = self._load_draft(draft_model)
+        draft = self._load_draft(draft_model, config) if draft_model is not None else None
+        self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
+                             detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):
@@ -112,13 +111,14 @@ class LLM:
         there yet: what the peers (transformers, vLLM, a BF16 GGUF for llama.cpp) read."""
         return resolve_model_dir(self.model_name)
 
-    def _load_draft(self, name: str) -> DraftModel:
-        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache."""
+    def _load_draft(self, name: str, engine: EngineConfig) -> DraftModel:
+        """A draft model for `speculative: draft`: same tokenizer, invariant kernels, its own KV cache (sized
+        as the engine's: draft.py)."""
         folder = resolve_model_dir(name)
         config = load_config(folder)
         check_draft(self.config.vocab_size, config.vocab_size, self.tokenizer.same_vocabulary(Tokenizer(folder)))
         return DraftModel(build_model(config, load_state_dict(folder), self.device, self.model.kernels),
-                          self.engine.config)
+                          engine)
 
     def policy(self, spec: PolicySpec | str, **options) -> Policy:
         """A policy from a spec, or from a name and options (`llm.policy("margin", tau=0.3)`);

@@ -22,13 +22,15 @@ def make_server(llm, *, slots: int = SLOTS, max_len: int = 512, grace_s: float =
                 prefix_cache_tokens: int = 2048, **app_kw):
     """A started server with its own small engine (`slots` KV slots) over the session's model; the prefix
     cache on by default, as `margingate serve` runs. `srv.app`, `srv.state`, `srv.engine` for the tests."""
+    from margingate.engine.detokenize import text_decoder
     from margingate.engine.engine import Engine, EngineConfig
     from margingate.server.app import create_app
     from margingate.server.background import BackgroundServer
 
     engine = Engine(llm.model, EngineConfig(max_num_seqs=slots, max_model_len=max_len,
                                             prefix_cache_tokens=prefix_cache_tokens,
-                                            num_threads=llm.engine.num_threads), lambda: llm.policy("fast"))
+                                            num_threads=llm.engine.num_threads), lambda: llm.policy("fast"),
+                    detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
     app_kw.setdefault("default_max_tokens", 16)
     app = create_app(llm, engine=engine, **app_kw)
     srv = BackgroundServer(app, grace_s=grace_s)
@@ -122,7 +124,7 @@ class StreamingLoad:
     """`clients` threads streaming chat completions (`create`: the request's keyword arguments) until the
     block ends, so other requests share every step; `done` counts the finished streams."""
 
-    def __init__(self, server, clients: int, **create):
+    def __init__(self, server, clients: int, model: str = MODEL, **create):
         import threading
 
         import openai
@@ -132,7 +134,7 @@ class StreamingLoad:
 
         def loop(i):
             while not self.stop.is_set():
-                for _ in c.chat.completions.create(model=MODEL, messages=chat(f"Tell me fact {i} about rivers."),
+                for _ in c.chat.completions.create(model=model, messages=chat(f"Tell me fact {i} about rivers."),
                                                    stream=True, **create):
                     pass
                 self.done += 1

@@ -107,3 +107,48 @@ def test_a_wrong_way_import_is_caught():
     assert "margingate.kernels imports margingate.server, which its row does not allow" in found
     assert "margingate.newcomer has no row in docs/architecture.md" in found
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+# --- attribute reach-through: the server reads what it serves from its serving context ----------------------
+
+SERVER = PACKAGE / "server"
+THROUGH_ENGINE = re.compile(r"\w+\.\w+\.engine\.\w+")  # two objects deep to the engine, then into its parts
+
+
+def dotted(node: ast.Attribute) -> str | None:
+    """`state.context.engine.draft` for that expression (None: the chain starts at a call or a subscript)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def reach_throughs(source: str, name: str) -> list[str]:
+    """Where `source` names the facade (`llm`: a name, an argument or an attribute) or reaches through two
+    objects into the engine's parts (`state.llm.engine.draft`, `state.context.engine.grammars`)."""
+    tree = ast.parse(source, name)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.arg)) and (getattr(node, "id", None) or getattr(node, "arg", None)) == "llm":
+            found.append(f"{name}:{node.lineno} names the facade (llm)")
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = dotted(node)
+            if chain and ("llm" in chain.split(".")[1:] or THROUGH_ENGINE.search(chain)):
+                found.append(f"{name}:{node.lineno} reaches through: {chain}")
+    return found
+
+
+def test_the_server_reaches_neither_the_facade_nor_into_the_engine():
+    """What it serves comes from `serving_context.ServingContext` (built from the facade below the server)."""
+    found = [f for path in sorted(SERVER.glob("*.py")) for f in reach_throughs(path.read_text(), path.name)]
+    assert found == []
+
+
+def test_a_reach_through_is_caught():
+    planted = "def f(state, llm):\n    a = state.llm.engine.draft\n    b = state.context.engine.grammars.compile(x)\n" \
+              "    c = state.engine.load.blocks_free\n    d = state.context.draft\n"
+    assert reach_throughs(planted, "p.py") == ["p.py:1 names the facade (llm)",
+                                               "p.py:2 reaches through: state.llm.engine.draft",
+                                               "p.py:3 reaches through: state.context.engine.grammars.compile"]

@@ -39,13 +39,14 @@ def answer(client, body: dict, policy: str, **extra) -> tuple[tuple, dict]:
 
 
 @pytest.fixture
-def flip_margin_at(llm, monkeypatch):
+def flip_margin_at(server, monkeypatch):
     """`inject_flip_at` is a testing option that HTTP does not take: this hands it to the margin policies
-    the server builds for its requests (`state.llm.policy`), until the test ends."""
-    build = llm.policy
+    the server builds for its requests (`state.context.policy`), until the test ends."""
+    context = server.state.context
+    build = context.policy
 
     def at(k: int) -> None:
-        monkeypatch.setattr(llm, "policy", lambda spec, **kw: build(
+        monkeypatch.setattr(context, "policy", lambda spec, **kw: build(
             spec.replace(inject_flip_at=k) if getattr(spec, "name", None) == "margin" else spec, **kw))
     return at
 

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra: pip
 from margingate.cli import build_parser  # noqa: E402
 from margingate.commands.check import Checker  # noqa: E402
 from margingate.distributed.offline import WorkerPool  # noqa: E402
+from margingate.engine.detokenize import text_decoder  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
 from margingate.environment import contract_part  # noqa: E402
 from margingate.options import PolicySpec  # noqa: E402
@@ -146,7 +147,8 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
         env = report.pop("environment")
         return body["choices"][0]["message"]["content"], body["choices"][0].get("token_ids"), report, env
 
-    engine = Engine(llm.model, EngineConfig(max_num_seqs=4, max_model_len=512), lambda: llm.policy("fast"))
+    engine = Engine(llm.model, EngineConfig(max_num_seqs=4, max_model_len=512), lambda: llm.policy("fast"),
+                    detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
     with TestClient(create_app(llm, config, engine=engine)) as local:
         expected = [ask(local, t) for t in texts]
 

@@ -266,7 +266,7 @@ def test_the_engine_thread_decodes_without_the_handlers_tokenizer_lock(llm, serv
     lock that HTTP handlers take for the tokenizer held throughout, a request sent as token ids (nothing
     for a handler to encode) still streams, stops at its stop string and answers."""
     ids = llm.tokenizer.encode(ANIMALS)
-    with server.state.tokenizer_lock:
+    with server.state.context.lock:
         r = client.with_options(timeout=60, max_retries=0).completions.create(
             model=MODEL, prompt=ids, max_tokens=64, temperature=0, stop=["Kafeki"],
             extra_body={"determinism": {"policy": "reference"}})

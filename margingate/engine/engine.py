@@ -61,7 +61,8 @@ class StreamEvent:
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, config: EngineConfig, default_policy: Callable[[], Policy]):
+    def __init__(self, model: DecoderModel, config: EngineConfig, default_policy: Callable[[], Policy], *,
+                 draft=None, detokenize=None, grammars=None):
         self.model, self.config = model, config
         self.num_threads = config.num_threads or os.cpu_count() or 1
         torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports
@@ -69,11 +70,11 @@ class Engine:
         self.max_len = context_length(model.config, config, self.kv)
         self.runner = Runner(model, self.kv)
         self.verifier = Verifier(self.runner)
-        self.draft = None  # a DraftModel (draft.py) for `speculative: draft` requests, set by LLM
-        # token ids -> text (detokenize.text_decoder), for each request's text and stop strings; set by LLM
-        # and the server. Called on the engine's thread only.
-        self.detokenize = None
-        self.grammars = None    # structured output's compiler (structured.Grammars), set by LLM
+        self.draft = draft  # a DraftModel (draft.py) for `speculative: draft` requests
+        # token ids -> text (detokenize.text_decoder), for each request's text and stop strings (None: no text).
+        # Called on the engine's thread only.
+        self.detokenize = detokenize
+        self.grammars = grammars    # structured output's compiler (structured.Grammars; None: no constraints)
         self.prefix = PrefixCache(self.kv, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.prefix)
         self.default_policy = default_policy

@@ -15,13 +15,28 @@ never depends on the order the engine asked for it in.
 from __future__ import annotations
 
 import threading
+from dataclasses import fields
 
 import numpy as np
 import torch
 
 from ..options.structured import StructuredError, StructuredOutput
 
-__all__ = ["Grammars", "Matcher", "StructuredError", "StructuredOutput", "masked"]
+__all__ = ["AfterReasoning", "Grammars", "Matcher", "StructuredError", "StructuredOutput", "masked"]
+
+
+class AfterReasoning(StructuredOutput):
+    """A constraint that holds the output from where its reasoning ends: the tokens up to and including
+    `closing` (a reasoning model's `</think>`, as token ids) are free. `opening` (its `<think>`) empty: the
+    output starts inside the reasoning (the prompt opened it); given: the output may open it with its first
+    tokens, or start the constrained answer at once."""
+
+    def __init__(self, constraint: StructuredOutput, opening: tuple[int, ...], closing: tuple[int, ...]):
+        super().__init__(**{f.name: getattr(constraint, f.name) for f in fields(constraint)})
+        if not closing:
+            raise StructuredError("structured", "a reasoning's closing needs at least one token")
+        object.__setattr__(self, "opening", tuple(opening))
+        object.__setattr__(self, "closing", tuple(closing))
 
 class Grammars:
     """Compiles constraints against one tokenizer; the tokenizer's table is built on first use (~1 s)."""
@@ -66,11 +81,14 @@ class Grammars:
             self._compiled[key] = grammar
         return grammar
 
-    def matcher(self, constraint: StructuredOutput) -> Matcher:
+    def matcher(self, constraint: StructuredOutput) -> Matcher | ReasonedMatcher:
         import llguidance
 
-        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0),
-                       self.vocab_size)
+        matcher = Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0),
+                          self.vocab_size)
+        if isinstance(constraint, AfterReasoning):
+            return ReasonedMatcher(matcher, constraint.opening, constraint.closing)
+        return matcher
 
 
 class Matcher:
@@ -121,6 +139,43 @@ class Matcher:
             bits = np.frombuffer(self.ll.compute_bitmask(), dtype=np.uint8)
             self._mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
         return self._mask
+
+
+class ReasonedMatcher:
+    """A `Matcher` whose grammar starts after the output's reasoning (`AfterReasoning`): every token is
+    allowed inside it; the grammar follows the tokens after its closing. Where the output may open a
+    reasoning, its first token is the grammar's or the opening's, and an opening begun is finished."""
+
+    def __init__(self, matcher: Matcher, opening: tuple[int, ...], closing: tuple[int, ...]):
+        self.inner, self.opening, self.closing = matcher, list(opening), list(closing)
+        self.free = torch.ones(matcher.vocab_size, dtype=torch.bool)
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error
+
+    def allowed(self, tokens: list[int], stop_ids: frozenset[int]) -> torch.Tensor:
+        n = len(self.opening)
+        if n and tokens[:n] != self.opening:
+            if tokens and self.opening[:len(tokens)] == tokens:  # an opening begun
+                only = torch.zeros_like(self.free)
+                only[self.opening[len(tokens)]] = True
+                return only
+            if not tokens:  # the answer at once, or its reasoning
+                mask = self.inner.allowed([], stop_ids).clone()
+                mask[self.opening[0]] = True
+                return mask
+            return self.inner.allowed(tokens, stop_ids)  # no reasoning: the grammar from the first token
+        end = self._answer_start(tokens, n)
+        return self.free if end is None else self.inner.allowed(tokens[end:], stop_ids)
+
+    def _answer_start(self, tokens: list[int], begin: int) -> int | None:
+        """Where the answer begins (after the reasoning's closing), None while the reasoning goes on."""
+        k = len(self.closing)
+        for i in range(begin, len(tokens) - k + 1):
+            if tokens[i:i + k] == self.closing:
+                return i + k
+        return None
 
 
 def masked(seq, rows: torch.Tensor, first_position: int) -> torch.Tensor:

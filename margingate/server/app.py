@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes in front of one engine thread.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
-GET /health, GET /metrics. With an API key every route but /health needs
-`Authorization: Bearer <key>`.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/messages (Anthropic's),
+GET /v1/models, GET /health, GET /metrics. With an API key every route but /health needs
+`Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it).
 
 Per-request determinism: `"deterministic": true` runs the request under the
 server's default deterministic policy (`auto`: the cheapest guaranteed one for the device);
@@ -12,12 +12,16 @@ batches). The response's `determinism` object is the policy's report for this
 request (triggers, repairs, rollbacks, ...) plus the environment the contract
 depends on.
 
-The parts: config.py (settings), state.py (what one app holds), worker.py (the engine thread),
-events.py (its typed per-request events, and the per-choice accumulator), parsing.py (body -> Job),
-jobs.py (events -> answer), streaming.py (SSE; the text and its stop strings are the engine's:
-engine/detokenize.py), responses.py and responses_request.py (/v1/responses, served as chat), routes.py,
-guard.py (API key, request counts), errors.py, protocol.py, metrics.py, heap.py (the C heap's free pages
-handed back once idle).
+The parts: config.py (settings), state.py (what one app holds: the serving context, margingate/serving_context.py,
+with the engine built whole), worker.py (the engine thread), events.py (its typed per-request events, and the
+per-choice accumulator), endpoint.py (one API's endpoint: parse, submit, answer whole or streamed) and its
+subclasses completions.py, chat.py, responses.py (+ responses_request.py: /v1/responses, served as chat),
+messages.py (+ messages_request.py: /v1/messages, served as chat),
+parsing.py (the serving core's recipe: a validated body -> Job), jobs.py (events -> answer), streaming.py
+(SSE; the text and its stop strings are the engine's: engine/detokenize.py), answer.py + call_parser.py +
+call_shapes.py + reasoning.py (an answer's text read into content, reasoning and tool calls as it is
+released), routes.py, guard.py (API key, request counts), errors.py, protocol.py, metrics.py, heap.py (the C
+heap's free pages handed back once idle).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
+from ..serving_context import ServingContext
 from .config import ServerConfig
 from .errors import json_error
 from .guard import Guard
@@ -62,15 +67,17 @@ async def internal_error(_req, exc: Exception):
     return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def create_app(llm, config: ServerConfig | None = None, *, engine: Engine | None = None, **settings) -> FastAPI:
-    """An app serving `llm` (its tokenizer, policies and, unless `engine` is given, its engine).
+def create_app(served, config: ServerConfig | None = None, *, engine: Engine | None = None, **settings) -> FastAPI:
+    """An app serving `served`: a `ServingContext`, or the facade whose model it gathers (`ServingContext.of`:
+    its tokenizer, policies and, unless `engine` is given, its engine).
 
     `config` (or `ServerConfig` fields as keywords: api_key, max_queue, default_policy, ...)
     says how; see server/config.py for the defaults.
     """
     config = replace(config or ServerConfig(), **settings)
-    llm.policy(config.default_policy)  # refuse a bad default up front
-    state = ServerState(llm, engine or llm.engine, config)
+    context = served if isinstance(served, ServingContext) else ServingContext.of(served, engine)
+    context.policy(config.default_policy)  # refuse a bad default up front
+    state = ServerState(context, config)
     app = FastAPI(title="margingate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_exception_handler(StarletteHTTPException, http_error)

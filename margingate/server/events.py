@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from ..engine import Request, Result
 from ..engine.engine import StreamEvent
+from .answer import Answer, PlainParser
+from .call_parser import Piece
 from .protocol import OPENAI_FINISH
 
 
@@ -51,7 +53,10 @@ class Event:
 
 @dataclass
 class Outcome:
-    """What one choice produced, as the client sees it: the events taken in order."""
+    """What one choice produced, as the client sees it: the events taken in order, and its text read by the
+    answer's parser into the answer (content, calls: answer.py)."""
+    parser: Any = field(default_factory=PlainParser)
+    answer: Answer = field(default_factory=Answer)
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -60,7 +65,9 @@ class Outcome:
     reason: str | None = None
     result: Result | None = None
 
-    def take(self, event: Event) -> None:
+    def take(self, event: Event) -> list[Piece]:
+        """Takes the event; the answer's pieces it decided (what a stream sends of it)."""
+        pieces: list[Piece] = []
         if event.kind == "prompt":
             self.prompt_logprobs = event.prompt_logprobs
         elif event.kind == "tokens":
@@ -68,8 +75,23 @@ class Outcome:
             self.ids += event.ids
             self.logprobs += event.logprobs
             self.offsets += event.offsets
+            pieces = self.parser.feed(event.text)
         elif event.kind == "done":
             self.reason, self.result = event.finish_reason, event.result
+            pieces = self.parser.finish()
+        self.answer.take(pieces)
+        return pieces
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The tokens whose text begins inside the answer's reasoning (reasoning.py; 0: none)."""
+        end = getattr(self.parser, "reasoning_end", 0)
+        return sum(1 for offset in self.offsets if offset < end)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """As the client reads it: "tool_calls" where a finished answer called a tool."""
+        return self.answer.finish_reason(self.reason)
 
 
 @dataclass(eq=False)

@@ -6,7 +6,8 @@ import hmac
 from .errors import json_error
 from .state import ServerState
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
+          "/metrics", "/tokenize", "/detokenize")
 
 
 def route_label(path: str) -> str:
@@ -15,12 +16,14 @@ def route_label(path: str) -> str:
 
 
 class Guard:
-    """ASGI middleware: API-key check (all routes but /health) and per-route request counts."""
+    """ASGI middleware: API-key check (all routes but /health; `Authorization: Bearer <key>`, or `x-api-key: <key>`
+    as Anthropic's clients send it) and per-route request counts."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self._key = key.encode() if key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -36,8 +39,9 @@ class Guard:
 
         try:
             if self._expected is not None and path != "/health":
-                given = dict(scope.get("headers") or []).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self._expected):
+                headers = dict(scope.get("headers") or [])
+                if not (hmac.compare_digest(headers.get(b"authorization", b""), self._expected)
+                        or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)):
                     response = json_error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                     return await response(scope, receive, send_wrapper)

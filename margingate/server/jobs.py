@@ -1,6 +1,6 @@
-"""A generation request once accepted: its choices (n samples of each prompt), the worker's
-per-request events (events.py) merged across choices, the response's envelope, usage
-and determinism report, and the non-streaming answer."""
+"""A generation request once accepted: its choices (n samples of each prompt) and the endpoint that serves
+it (endpoint.py), the worker's per-request events (events.py) merged across choices, the response's envelope,
+usage and determinism report, and the non-streaming answer."""
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from ..engine import Request, Result
 from ..engine.policy import Policy
 from . import tools
+from .answer import Answer
 from .errors import RequestFailed, json_error
 from .events import Event, Handle, Outcome
-from .logprobs import merge_completion
 from .protocol import finite
+from .reasoning import Reasoning, ReasoningParser
 from .state import ServerState
 
 
@@ -34,7 +35,7 @@ class Choice:
 @dataclass
 class Job:
     """One generation request, parsed and validated."""
-    kind: str                      # "completion" or "chat"
+    endpoint: Any                  # the API's endpoint (completions.py, chat.py, responses.py)
     params: Any
     policy: Policy
     id: str
@@ -42,21 +43,18 @@ class Job:
     tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
     ignored: list[str] = field(default_factory=list)  # unknown fields of the body: named in the answer's header
     origin: Any = None             # the body as its own API sent it, where that API is served as chat (responses)
+    reasoning: Reasoning | None = None  # how the answer's reasoning is marked (reasoning.py), if it has one
 
     @property
     def echo(self) -> bool:
         return bool(getattr(self.params, "echo", False))
 
-
-@dataclass(frozen=True)
-class Api:
-    """How one HTTP API reads its body into a `Job` and writes the answer: `parse(state, req, kind)`, the whole
-    body `render(state, job, outcomes)` (None: the completions' shape) and the event stream
-    `stream(state, job, handles)`; `prompt_param` names the field an engine refusal of the prompt blames."""
-    parse: Callable
-    render: Callable | None
-    stream: Callable
-    prompt_param: str | None = None
+    def outcome(self, whole: bool) -> Outcome:
+        """An empty outcome for one choice, its answer read as this job's (tools.parser); `whole`: not streamed."""
+        parser = tools.parser(self.params, self.tool_mode, whole)
+        if self.reasoning is not None:
+            parser = ReasoningParser(self.reasoning, parser)
+        return Outcome(parser, Answer(stripped=self.tool_mode != "none"))
 
 
 # --- response pieces ---------------------------------------------------------------------
@@ -81,9 +79,22 @@ def determinism_report(state: ServerState, job: Job, choice: Choice, result: Res
     })
 
 
-def envelope(state: ServerState, job: Job) -> dict:
-    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": state.model_id, "system_fingerprint": state.fingerprint}
+def envelope(state: ServerState, job: Job, object_name: str) -> dict:
+    return {"id": job.id, "object": object_name, "created": int(time.time()), "model": state.model_id,
+            "system_fingerprint": state.fingerprint}
+
+
+def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
+    """The whole body of completions and chat: each choice's (its endpoint's `choice_body`), its report (on
+    each choice where there are several), usage."""
+    body = envelope(state, job, job.endpoint.object_name)
+    body["choices"] = [job.endpoint.choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
+    reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
+    if len(reports) > 1:
+        for choice, report in zip(body["choices"], reports):
+            choice["determinism"] = report
+    body.update(usage=usage(job, outcomes), determinism=reports[0])
+    return body
 
 
 def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
@@ -101,27 +112,9 @@ def usage(job: Job, outcomes: dict[int, Outcome]) -> dict:
             cached[c.prompt_index] = min(cached.get(c.prompt_index, result.cached_tokens), result.cached_tokens)
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+    if job.reasoning is not None:  # as OpenAI reports a reasoning model's
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(o.reasoning_tokens for o in outcomes.values())}
     return out
-
-
-def echo_text(state: ServerState, choice: Choice) -> str:
-    return choice.prompt_text if choice.prompt_text is not None else state.decode(choice.request.prompt_ids)
-
-
-def logprobs_body(state: ServerState, job: Job, choice: Choice, outcome: Outcome, echo: tuple | None):
-    """The choice's `logprobs`: OpenAI's shape for the route; `echo` = (prompt text, prompt logprobs)."""
-    sp = choice.request.sampling
-    if sp.logprobs is None:
-        return None
-    if job.kind == "chat":
-        return state.formatter.chat(outcome.logprobs)
-    parts = []
-    if echo is not None:
-        prompt = choice.request.prompt_ids
-        parts.append(state.formatter.completion(prompt, echo[1], state.formatter.offsets(prompt)))
-    start = len(echo[0]) if echo is not None else 0
-    parts.append(state.formatter.completion(outcome.ids, outcome.logprobs, [start + i for i in outcome.offsets]))
-    return merge_completion(parts)
 
 
 # --- the worker's events ------------------------------------------------------------------
@@ -185,16 +178,16 @@ async def wait_disconnect(req: HTTPRequest) -> None:
 
 async def collect(state: ServerState, job: Job, handles: list[Handle]) -> dict[int, Outcome]:
     """Every choice's whole answer."""
-    outcomes = {c.index: Outcome() for c in job.choices}
+    outcomes = {c.index: job.outcome(whole=True) for c in job.choices}
     async for choice, event in merged(state, job, handles):
         outcomes[choice.index].take(event)
     return outcomes
 
 
 async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest,
-                   render: Callable[..., dict] | None = None) -> Response:
+                   render: Callable[..., dict]) -> Response:
     """Runs the request to its end, or aborts it (freeing its KV blocks) when the client goes away;
-    `render(state, job, outcomes)` makes the body (by default the completions' shape)."""
+    `render(state, job, outcomes)` makes the body."""
     task = asyncio.ensure_future(collect(state, job, handles))
     gone = asyncio.ensure_future(wait_disconnect(req))
     try:
@@ -211,31 +204,4 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
     except RequestFailed as exc:
         abort_all(state, handles, "aborted")
         return json_error(exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
-    return JSONResponse((render or completion_body)(state, job, outcomes))
-
-
-def choice_body(state: ServerState, job: Job, choice: Choice, o: Outcome) -> dict:
-    body = {"index": choice.index, "finish_reason": o.reason, "token_ids": o.ids}
-    if job.kind == "chat":
-        message, body["finish_reason"] = tools.answer(job.params, job.tool_mode, o.text, o.reason)
-        body["message"] = {"role": "assistant", **message}
-        body["logprobs"] = logprobs_body(state, job, choice, o, None)
-        return body
-    echo = None
-    if job.echo:
-        echo = (echo_text(state, choice), o.prompt_logprobs or o.result.prompt_logprobs)
-        body["prompt_token_ids"] = choice.request.prompt_ids
-    body["text"] = (echo[0] if echo else "") + o.text
-    body["logprobs"] = logprobs_body(state, job, choice, o, echo)
-    return body
-
-
-def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
-    body = envelope(state, job)
-    body["choices"] = [choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
-    reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
-    if len(reports) > 1:
-        for choice, report in zip(body["choices"], reports):
-            choice["determinism"] = report
-    body.update(usage=usage(job, outcomes), determinism=reports[0])
-    return body
+    return JSONResponse(render(state, job, outcomes))

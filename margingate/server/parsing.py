@@ -7,13 +7,12 @@ import uuid
 from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
-from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
 from ..engine import Request
 from ..engine.policy import Policy
+from ..engine.structured import AfterReasoning
 from ..options import (
     PolicyOptionError,
     PolicySpec,
@@ -23,12 +22,12 @@ from ..options import (
     SpeculativeError,
     deterministic_policies,
 )
-from ..options.structured import StructuredError
+from ..options.structured import StructuredError, StructuredOutput
 from . import tools
-from .bodies import ChatCompletionRequest, CompletionRequest
 from .constraints import compiled
 from .jobs import Choice, Job
-from .protocol import BadRequest, parse_json_body, validation_message
+from .protocol import BadRequest, CommonBody, parse_json_body, validation_message
+from .reasoning import Reasoning
 from .state import ServerState
 
 
@@ -54,10 +53,8 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
-def validate(state: ServerState, raw: bytes | dict, kind: str) -> CompletionRequest | ChatCompletionRequest:
-    """The body (bytes, or its JSON object) as the route's pydantic model, for the model this server serves."""
-    body = raw if isinstance(raw, dict) else json_object(raw)
-    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+def validate(state: ServerState, body: dict, model_cls: type[CommonBody]) -> CommonBody:
+    """The body's JSON object as the endpoint's pydantic model, for the model this server serves."""
     try:
         params = model_cls.model_validate(body)
     except ValidationError as exc:
@@ -69,6 +66,11 @@ def validate(state: ServerState, raw: bytes | dict, kind: str) -> CompletionRequ
     return params
 
 
+async def read_params(state: ServerState, req: HTTPRequest, model_cls: type[CommonBody]) -> CommonBody:
+    """The request's body, read within its size limit and validated as the endpoint's model."""
+    return validate(state, json_object(await read_body(req, state.config.max_body_bytes)), model_cls)
+
+
 def build_policy(state: ServerState, params) -> Policy:
     """The request's policy. Streamed or not, it is the same policy: a strict one releases verified
     tokens only, so the stream is the non-streamed answer. `"deterministic": true` is refused unless
@@ -77,11 +79,11 @@ def build_policy(state: ServerState, params) -> Policy:
     if asked is None and block is None and state.config.deterministic_by_default:
         asked = True
     if block is None and not asked:
-        return state.llm.policy("fast")
+        return state.context.policy("fast")
     name = block.policy if block is not None and block.policy is not None else state.config.default_policy
     options = block.spec_options() if block is not None else {}
     try:
-        spec = PolicySpec(name, **options).resolve(state.llm.device)
+        spec = PolicySpec(name, **options).resolve(state.context.device)
     except PolicyOptionError as exc:
         raise BadRequest(str(exc), param=f"determinism.{exc.option}") from None
     promises = spec.deterministic  # with these options: a non-strict margin promises nothing
@@ -90,7 +92,7 @@ def build_policy(state: ServerState, params) -> Policy:
                          param="deterministic")
     if asked and not promises:
         raise BadRequest(not_deterministic(spec), param=f"determinism.{unpromising_option(spec)}")
-    return state.llm.policy(spec)
+    return state.context.policy(spec)
 
 
 def unpromising_option(spec: PolicySpec) -> str:
@@ -118,13 +120,12 @@ def check_seed(deterministic: bool, temperature: float, seed: int | None) -> Non
                          param="seed", code="seed_required")
 
 
-def sampling_params(state: ServerState, params, kind: str) -> SamplingParams:
+def sampling_params(state: ServerState, params, names: dict[str, str]) -> SamplingParams:
     """The body's sampling and logprobs options, checked by `SamplingParams` (the one validator);
-    a refusal names this protocol's field."""
-    names = {"logprobs": "top_logprobs"} if kind == "chat" else {"prompt_logprobs": "logprobs"}
+    a refusal names this protocol's field (`names`: an option's field where they differ)."""
     try:
         sampling = SamplingParams(**params.sampling_options())
-        sampling.check_vocab(state.llm.config.vocab_size)
+        sampling.check_vocab(state.context.vocab_size)
     except SamplingError as exc:
         raise BadRequest(str(exc), param=names.get(exc.option, exc.option)) from None
     return sampling.seeded()  # one seed for the request: sample j of n takes seed + j
@@ -135,14 +136,14 @@ def output_constraint(state: ServerState, params, tool_mode: str):
     compiled. With `auto` the body's wins (the answer is then held to it, not to calls); with calls
     forced, both at once is a 400."""
     by_tools = tools.constraint(params, tool_mode, state.tool_format)
-    structured = compiled(state.llm.grammars, params)
+    structured = compiled(state.context.grammars, params)
     if by_tools is not None and structured is not None:
         if tool_mode == "auto":
             return structured
         raise BadRequest("tool_choice constrains the output already: drop the other constraint", param="tool_choice")
     if by_tools is not None:
         try:
-            state.llm.grammars.compile(by_tools)
+            state.context.grammars.compile(by_tools)
         except StructuredError as exc:
             raise BadRequest(f"tools: a function's parameters do not compile: {exc}", param="tools") from None
     return by_tools or structured
@@ -154,31 +155,15 @@ def speculative_config(state: ServerState, params) -> SpeculativeConfig | None:
         return None
     try:
         config = SpeculativeConfig(**params.speculative.model_dump(exclude_none=True))
-        config.check(state.llm.engine.draft)
+        config.check(state.context.draft)
         return config
     except SpeculativeError as exc:
         raise BadRequest(str(exc), param=f"speculative.{exc.option}") from None
 
 
-async def prompts(state: ServerState, params, kind: str, tool_mode: str) -> list[tuple[list[int], str | None]]:
-    """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
-    if kind == "chat":
-        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format, tool_mode)), None, "http")
-        try:
-            return [(await run_in_threadpool(state.encode, chat, tools.template_tools(params, state.tool_format),
-                                             **params.template_options()), None)]
-        except TemplateError as exc:  # chat_template_kwargs or a message the template refuses
-            raise BadRequest(f"the chat template failed on this request: {exc}", param="messages") from None
-    out = []
-    for p in params.prompt:
-        ids = p if isinstance(p, list) else await run_in_threadpool(state.encode, Prompt("text", None, p, "http"))
-        out.append((ids, p if isinstance(p, str) else None))
-    return out
-
-
-def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
+def token_budget(state: ServerState, params, n_prompt: int) -> int:
     """max_tokens, or the server's default within the room the context leaves; refused if it does not fit."""
-    max_len = state.engine.max_len
+    max_len = state.context.max_len
     room = max_len - n_prompt  # < 1: the engine refuses the prompt, with its message
     max_tokens = params.tokens_limit()
     if max_tokens is None:
@@ -190,17 +175,11 @@ def token_budget(state: ServerState, params, kind: str, n_prompt: int) -> int:
     return max_tokens
 
 
-async def parse_job(state: ServerState, req: HTTPRequest, kind: str) -> Job:
-    """The HTTP request as a `Job` ready for the engine thread; raises BadRequest."""
-    return await build_job(state, await read_body(req, state.config.max_body_bytes), kind)
-
-
-async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix: str | None = None) -> Job:
-    """A body (bytes, or its JSON object: an API translated to chat gives one) as a `Job`; raises BadRequest."""
-    params = validate(state, body, kind)
+async def build_job(state: ServerState, endpoint, params, id_prefix: str | None = None) -> Job:
+    """A validated body as the `Job` its endpoint means (its prompts, tools and reasoning); raises BadRequest."""
     policy = build_policy(state, params)
-    sampling = sampling_params(state, params, kind)
-    tool_mode = tools.mode(params) if kind == "chat" else "none"
+    sampling = sampling_params(state, params, endpoint.logprob_names)
+    tool_mode = endpoint.tool_mode(params)
     structured = await run_in_threadpool(output_constraint, state, params, tool_mode)
     if structured is not None:
         if params.min_tokens:  # masking the end where the grammar allows nothing else would leave no token
@@ -209,11 +188,15 @@ async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix
         sampling = replace(sampling, structured=structured)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
     speculative = speculative_config(state, params)
-    rid = f"{id_prefix or ('chatcmpl-' if kind == 'chat' else 'cmpl-')}{uuid.uuid4().hex}"
+    encoded = await endpoint.prompts(state, params, tool_mode)
+    reasoning = await run_in_threadpool(endpoint.reasoning, state, encoded[0][0])
+    if structured is not None and reasoning is not None:  # the constraint holds the answer after its reasoning
+        sampling = replace(sampling, structured=await run_in_threadpool(after_reasoning, state, structured, reasoning))
+    rid = f"{id_prefix or endpoint.id_prefix}{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []
     try:
-        for p, (ids, text) in enumerate(await prompts(state, params, kind, tool_mode)):
-            max_tokens = token_budget(state, params, kind, len(ids))
+        for p, (ids, text) in enumerate(encoded):
+            max_tokens = token_budget(state, params, len(ids))
             for j in range(n):  # samples after the first copy its prompt K/V (share_prefill)
                 index = p * n + j
                 request = Request(list(ids), max_tokens, policy, ignore_eos=params.ignore_eos,
@@ -224,5 +207,11 @@ async def build_job(state: ServerState, body: bytes | dict, kind: str, id_prefix
     except BadRequest:
         raise
     except ValueError as exc:
-        raise BadRequest(str(exc), param="messages" if kind == "chat" else "prompt") from None
-    return Job(kind, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields())
+        raise BadRequest(str(exc), param=endpoint.prompt_param) from None
+    return Job(endpoint, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields(), reasoning=reasoning)
+
+
+def after_reasoning(state: ServerState, structured: StructuredOutput, reasoning: Reasoning) -> AfterReasoning:
+    """The constraint, free until the answer's reasoning closes (engine/structured.py)."""
+    opening = () if reasoning.inside else tuple(state.context.encode(reasoning.opening))
+    return AfterReasoning(structured, opening, tuple(state.context.encode(reasoning.closing)))

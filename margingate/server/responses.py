@@ -1,16 +1,19 @@
 """`POST /v1/responses`, served as a chat completion: the body becomes a chat body (`responses_request.py`), which
 runs the chat path unchanged (template, tools, grammar, policy); its one choice is written back as a Response
-object: `output` items (an assistant `message` with its `output_text`, then a `function_call` per tool call),
+object: `output` items (a `reasoning` item where the model reasoned, an assistant `message` with its `output_text`, a
+`function_call` per tool call, in the order written),
 `status` (`incomplete` where max_output_tokens cut it), `usage` in the Responses' names, and the `determinism`
 report as on the other routes.
 
 Streamed, the events are the ones the openai SDK's `responses.stream()` accumulates, each with its `type` and
-`sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a message)
+`sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a reasoning
+item: response.reasoning_text.delta..., response.reasoning_text.done) (a message)
 response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done, (a call) response.function_call_arguments.delta / .done, response.output_item.done,
-and last response.completed (response.incomplete; response.failed if the engine fails the request). Text
-deltas go out as the engine releases them; with tools the answer is parsed whole, so its items go out at the
-end. The streamed text is the whole answer's: a strict policy releases verified tokens only (`streaming.py`).
+and last response.completed (response.incomplete; response.failed if the engine fails the request). Items go
+out as the engine releases their tokens: the message at its first text, a call when its name is read, then
+its arguments in fragments (`call_parser.py`); every item is closed at the end, in output order. The streamed
+answer is the whole one's: a strict policy releases verified tokens only (`streaming.py`).
 """
 from __future__ import annotations
 
@@ -22,42 +25,51 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request as HTTPRequest
 
-from . import tools
+from .answer import Answer
+from .call_parser import Piece
+from .chat import ChatEndpoint
 from .errors import RequestFailed
 from .events import Handle, Outcome
-from .jobs import Api, Job, abort_all, determinism_report, merged, usage
-from .parsing import build_job, json_object, read_body
+from .jobs import Job, abort_all, determinism_report, merged, usage
+from .parsing import build_job, json_object, read_body, validate
 from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
 from .state import ServerState
-
-
-async def parse(state: ServerState, req: HTTPRequest, kind: str) -> Job:
-    """The Responses body as the chat `Job` it means; a refusal names the Responses field."""
-    params = read_request(json_object(await read_body(req, state.config.max_body_bytes)))
-    try:
-        job = await build_job(state, params.chat_body(), kind, id_prefix="resp_")
-    except BadRequest as exc:
-        exc.param = responses_param(exc.param)
-        raise
-    job.ignored, job.origin = params.ignored_fields(), params
-    return job
 
 
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(message: dict, message_id: str, status: str) -> list[dict]:
-    """The assistant's answer as output items: its text (always, unless it is calls only), then its calls."""
-    items = []
-    calls = message.get("tool_calls") or []
-    if message.get("content") is not None or not calls:
-        text = {"type": "output_text", "text": message.get("content") or "", "annotations": [], "logprobs": []}
-        items.append({"type": "message", "id": message_id, "status": status, "role": "assistant", "content": [text]})
-    for call in calls:
-        items.append({"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "status": status,
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+def call_item_id(call: dict) -> str:
+    """A function_call item's id, from its call's (the stream's and the last event's are the same)."""
+    return f"fc_{call['id'].removeprefix('call_')}"
+
+
+def message_item(message_id: str, status: str, text: str) -> dict:
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict, status: str) -> dict:
+    return {"type": "function_call", "id": call_item_id(call), "call_id": call["id"], "status": status,
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def reasoning_item(reasoning_id: str, status: str, text: str) -> dict:
+    return {"type": "reasoning", "id": reasoning_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def output_items(answer: Answer, ids: dict[str, str], status: str) -> list[dict]:
+    """The answer as output items, in the order they were written: its reasoning, its calls, and its text
+    (always, unless it is calls only) where it began among them; `ids`: the message's and the reasoning's."""
+    items = [call_item(call, status) for call in answer.calls]
+    content = answer.message()["content"]
+    if content is not None or not items:
+        items.insert(answer.message_at or 0, message_item(ids["message"], status, content or ""))
+    if answer.reasoning is not None:
+        items.insert(0, reasoning_item(ids["reasoning"], status, answer.reasoning))
     return items
 
 
@@ -78,13 +90,13 @@ def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> d
             "metadata": chat.metadata or {}, "system_fingerprint": state.fingerprint}
 
 
-def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], message_id: str | None = None) -> dict:
-    """The whole Response of a finished job (its one choice)."""
+def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], ids: dict | None = None) -> dict:
+    """The whole Response of a finished job (its one choice); `ids`: its message's and reasoning's item ids."""
     choice = job.choices[0]
     o = outcomes[choice.index]
-    message, _ = tools.answer(job.params, job.tool_mode, o.text, o.reason)
     status = "incomplete" if o.reason == "length" else "completed"
-    body = envelope(state, job, status, output_items(message, message_id or item_id("msg"), status))
+    ids = ids or {"message": item_id("msg"), "reasoning": item_id("rs")}
+    body = envelope(state, job, status, output_items(o.answer, ids, status))
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
     counts = usage(job, outcomes)
@@ -92,7 +104,8 @@ def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], me
                      "total_tokens": counts["total_tokens"],
                      "input_tokens_details": {"cached_tokens": counts.get("prompt_tokens_details", {})
                                               .get("cached_tokens", 0)},
-                     "output_tokens_details": {"reasoning_tokens": 0}}
+                     "output_tokens_details": {"reasoning_tokens": counts.get("completion_tokens_details", {})
+                                               .get("reasoning_tokens", 0)}}
     body["determinism"] = determinism_report(state, job, choice, o.result)
     return body
 
@@ -106,6 +119,9 @@ def opening(event: Callable[..., bytes], index: int, item: dict) -> Iterator[byt
                     item={**item, "status": "in_progress", "content": []})
         yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                     part={"type": "output_text", "text": "", "annotations": []})
+    elif item["type"] == "reasoning":
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "summary": [], "content": []})
     else:
         yield event("response.output_item.added", output_index=index,
                     item={**item, "status": "in_progress", "arguments": ""})
@@ -118,6 +134,9 @@ def closing(event: Callable[..., bytes], index: int, item: dict) -> Iterator[byt
         yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                     text=part["text"], logprobs=[])
         yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+    elif item["type"] == "reasoning":
+        yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    text=item["content"][0]["text"])
     else:
         yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                     name=item["name"], arguments=item["arguments"])
@@ -134,37 +153,59 @@ def writer() -> Callable[..., bytes]:
     return event
 
 
-def whole_item(event: Callable[..., bytes], index: int, item: dict) -> Iterator[bytes]:
-    """An item that goes out at once (the answer with tools, parsed): opened, its content as one delta, closed."""
-    yield from opening(event, index, item)
-    if item["type"] == "message" and item["content"][0]["text"]:
-        yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                    delta=item["content"][0]["text"], logprobs=[])
-    elif item["type"] == "function_call":
-        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                    delta=item["arguments"])
-    yield from closing(event, index, item)
+class ItemStream:
+    """The answer's pieces as Responses events: an item is announced when its first piece comes (the reasoning
+    and the message at their first text, a call when it opens), then grows by deltas; `index` is each item's
+    output_index."""
+
+    def __init__(self, event: Callable[..., bytes], answer: Answer):
+        self.event, self.answer = event, answer
+        self.ids = {"message": item_id("msg"), "reasoning": item_id("rs")}
+        self.index: dict = {}   # "message", "reasoning", or a call's index -> its output_index
+
+    def open(self, key, item: dict) -> Iterator[bytes]:
+        self.index[key] = len(self.index)
+        yield from opening(self.event, self.index[key], item)
+
+    def text(self, key: str, text: str) -> Iterator[bytes]:
+        """A delta of the message's text or of the reasoning's, its item announced first."""
+        if key not in self.index:
+            yield from self.open(key, {"type": key, "id": self.ids[key], **({"role": "assistant"}
+                                                                            if key == "message" else {})})
+        kind = "output_text" if key == "message" else "reasoning_text"
+        yield self.event(f"response.{kind}.delta", item_id=self.ids[key], output_index=self.index[key],
+                         content_index=0, delta=text, **({"logprobs": []} if key == "message" else {}))
+
+    def pieces(self, pieces: list[Piece]) -> Iterator[bytes]:
+        for p in pieces:
+            if p.kind in ("text", "reasoning") and p.text:
+                yield from self.text("message" if p.kind == "text" else "reasoning", p.text)
+            elif p.kind == "call":
+                yield from self.open(p.index, call_item(self.answer.calls[p.index], "in_progress"))
+            elif p.kind == "args":
+                yield self.event("response.function_call_arguments.delta", output_index=self.index[p.index],
+                                 item_id=call_item_id(self.answer.calls[p.index]), delta=p.text)
+
+    def close(self, body: dict) -> Iterator[bytes]:
+        """Every item's last events, in output order (an empty message announced first where none was)."""
+        for index, item in enumerate(body["output"]):
+            if index == len(self.index):
+                yield from self.open("message", item)
+            yield from closing(self.event, index, item)
 
 
 async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
-    event, o, finished = writer(), Outcome(), False
-    message = {"type": "message", "id": item_id("msg"), "role": "assistant"}
-    live = job.tool_mode == "none"  # text goes out as released; with tools the answer is parsed at the end
+    event, o, finished = writer(), job.outcome(whole=False), False
+    items = ItemStream(event, o.answer)
     try:
         for name in ("response.created", "response.in_progress"):
             yield event(name, response=envelope(state, job, "in_progress", []))
-        if live:
-            for chunk in opening(event, 0, message):
-                yield chunk
         async for _, released in merged(state, job, handles):
-            o.take(released)
-            if live and released.kind == "tokens" and released.text:
-                yield event("response.output_text.delta", item_id=message["id"], output_index=0, content_index=0,
-                            delta=released.text, logprobs=[])
-        body = response_body(state, job, {job.choices[0].index: o}, message_id=message["id"])
-        for index, item in enumerate(body["output"]):
-            for chunk in closing(event, index, item) if live else whole_item(event, index, item):
+            for chunk in items.pieces(o.take(released)):
                 yield chunk
+        body = response_body(state, job, {job.choices[0].index: o}, ids=items.ids)
+        for chunk in items.close(body):
+            yield chunk
         finished = True
         yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
     except RequestFailed as exc:
@@ -178,4 +219,28 @@ async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIt
             abort_all(state, handles, "disconnect")
 
 
-API = Api(parse, response_body, stream, prompt_param="input")
+class ResponsesEndpoint(ChatEndpoint):
+    """/v1/responses: the body translated into the chat body it means (responses_request.py), served as chat,
+    its one choice written back as a Response."""
+    id_prefix = "resp_"
+    prompt_param = "input"
+
+    async def parse(self, state: ServerState, req: HTTPRequest) -> Job:
+        """The Responses body as the chat `Job` it means; a refusal names the Responses field."""
+        params = read_request(json_object(await read_body(req, state.config.max_body_bytes)))
+        try:
+            job = await build_job(state, self, validate(state, params.chat_body(), self.body))
+        except BadRequest as exc:
+            exc.param = responses_param(exc.param)
+            raise
+        job.ignored, job.origin = params.ignored_fields(), params
+        return job
+
+    def render(self, state: ServerState, job: Job, outcomes: dict[int, Outcome]) -> dict:
+        return response_body(state, job, outcomes)
+
+    def stream(self, state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
+        return stream(state, job, handles)
+
+
+RESPONSES = ResponsesEndpoint()

@@ -80,8 +80,14 @@ class FunctionCallOutputItem(_Item):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningItem(_Item):
+    """A reasoning item the model wrote, sent back: accepted and left out of the prompt (the templates of
+    reasoning models drop an earlier turn's reasoning too)."""
+    type: Literal["reasoning"]
+
+
 ITEMS: dict[str, type[_Item]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                 "function_call_output": FunctionCallOutputItem}
+                                 "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
 class FunctionTool(BaseModel):
@@ -181,6 +187,8 @@ def chat_messages(instructions: str | None, given: str | list[dict]) -> list[dic
         raise BadRequest("input: needs at least one item", param="input")
     for i, raw in enumerate(given):
         item = read_item(i, raw)
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallOutputItem):
@@ -199,7 +207,7 @@ def read_item(i: int, raw: Any) -> _Item:
     kind = raw.get("type", "message") if isinstance(raw, dict) else None
     if kind not in ITEMS:
         raise BadRequest(f"input.{i}.type: {kind!r} is not supported (message, function_call, "
-                         f"function_call_output are)", param=f"input.{i}.type")
+                         f"function_call_output, reasoning are)", param=f"input.{i}.type")
     try:
         return ITEMS[kind].model_validate(raw)
     except ValidationError as exc:

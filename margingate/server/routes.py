@@ -1,29 +1,26 @@
-"""The routes: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions,
-/v1/responses (responses.py: served as chat) and /tokenize, /detokenize (tokenization.py).
+"""The routes: /health, /metrics, /v1/models[/{id}], the generation routes (/v1/completions,
+/v1/chat/completions, /v1/responses, /v1/messages: each its API's endpoint, completions.py, chat.py,
+responses.py, messages.py) and
+/tokenize, /detokenize (tokenization.py).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
-
-import logging
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
-from . import responses, sdk_fields, tokenization
-from .errors import QueueFull, ShuttingDown, json_error
-from .events import Handle
-from .jobs import Api, Job, abort_all, complete, next_event
+from . import tokenization
+from .chat import CHAT
+from .completions import COMPLETIONS
+from .errors import json_error
+from .messages import MESSAGES
 from .metrics import CONTENT_TYPE
-from .parsing import parse_job
-from .protocol import BadRequest
+from .responses import RESPONSES
 from .state import ServerState
-from .streaming import EventStream, stream
 
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize
-log = logging.getLogger("margingate.server")
-COMPLETIONS = Api(parse_job, None, stream)  # /v1/completions and /v1/chat/completions
 
 
 def state_of(req: HTTPRequest) -> ServerState:
@@ -57,10 +54,10 @@ async def metrics(req: HTTPRequest):
 
 def model_card(state: ServerState) -> dict:
     return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "margingate",
-            "max_model_len": state.engine.max_len, "determinism": {
+            "max_model_len": state.context.max_len, "determinism": {
                 "default_policy": state.config.default_policy,
-                "default_policy_resolved": PolicySpec(state.config.default_policy).resolve(state.llm.device).name,
-                "default_tau": state.llm.default_tau,
+                "default_policy_resolved": PolicySpec(state.config.default_policy).resolve(state.context.device).name,
+                "default_tau": state.context.default_tau,
                 "tau_source": state.environment.get("tau_source")}}
 
 
@@ -78,71 +75,23 @@ async def model(model_id: str, req: HTTPRequest):
     return model_card(state)
 
 
-# --- generation --------------------------------------------------------------------------------
+# --- generation: each API's endpoint over the serving core (endpoint.py) ------------------------------------
 
 @router.post("/v1/completions")
 async def completions(req: HTTPRequest):
-    return await generate(state_of(req), req, "completion")
+    return await COMPLETIONS.serve(state_of(req), req)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: HTTPRequest):
-    return await generate(state_of(req), req, "chat")
+    return await CHAT.serve(state_of(req), req)
 
 
 @router.post("/v1/responses")
 async def create_response(req: HTTPRequest):
-    return await generate(state_of(req), req, "chat", responses.API)
+    return await RESPONSES.serve(state_of(req), req)
 
 
-async def generate(state: ServerState, req: HTTPRequest, kind: str, api: Api = COMPLETIONS) -> Response:
-    try:
-        job = await api.parse(state, req, kind)
-    except BadRequest as exc:
-        state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
-        return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
-    handles = submit(state, job)
-    response = handles if isinstance(handles, Response) else await answer(state, job, handles, req, api)
-    ignored = job.ignored
-    if ignored:  # said, not refused: the client learns what had no effect
-        log.info("%s: ignored unknown fields: %s", job.id, ", ".join(ignored))
-        response.headers[sdk_fields.IGNORED_HEADER] = sdk_fields.header_value(ignored)
-    return response
-
-
-def submit(state: ServerState, job: Job) -> list[Handle] | Response:
-    """Every choice handed to the engine thread, or the 429 / 503 that refuses the request (none runs)."""
-    retry = {"Retry-After": str(state.config.retry_after_s)}
-    handles: list[Handle] = []
-    try:
-        for choice in job.choices:
-            handles.append(state.worker.submit(choice.request))
-        return handles
-    except QueueFull as exc:
-        abort_all(state, handles, "aborted")
-        state.metrics.inc("requests_rejected_total", reason="queue_full")
-        return json_error(429, f"server busy: {exc}; retry later", code="queue_full", headers=retry)
-    except ShuttingDown as exc:
-        abort_all(state, handles, "aborted")
-        state.metrics.inc("requests_rejected_total", reason="unavailable")
-        return json_error(503, str(exc), code="unavailable", headers=retry)
-
-
-async def answer(state: ServerState, job: Job, handles: list[Handle], req: HTTPRequest, api: Api) -> Response:
-    """Once the engine took the requests: a stream or the whole answer. Until one of them owns the
-    requests, any way out (the engine's refusal, a cancelled handler) aborts them."""
-    handed_over = False
-    try:
-        for handle in handles:
-            event = await next_event(handle)  # "accepted", or the engine refused it
-            if event.kind == "error":
-                param = api.prompt_param or ("messages" if job.kind == "chat" else "prompt")
-                return json_error(event.status, event.message, param=param,
-                                  code="engine_error" if event.status >= 500 else "invalid_request")
-        handed_over = True
-        if job.params.streaming:
-            return EventStream(state.worker, handles, api.stream(state, job, handles))
-        return await complete(state, job, handles, req, api.render)
-    finally:
-        if not handed_over:
-            abort_all(state, handles, "disconnect")
+@router.post("/v1/messages")
+async def create_message(req: HTTPRequest):
+    return await MESSAGES.serve(state_of(req), req)

@@ -1,37 +1,33 @@
-"""What one app holds: the model, its engine and the engine thread, the settings, the metrics."""
+"""What one app holds: what it serves (`serving_context.ServingContext`: the engine, tokenizer, templates,
+grammars, policies), the engine thread, the settings, the metrics."""
 from __future__ import annotations
 
-import threading
 import time
 
-from ..data.prompts import Prompt
-from ..engine.detokenize import decode_text, text_decoder
-from ..engine.engine import Engine
+from ..serving_context import ServingContext
 from .config import ServerConfig
 from .logprobs import LogprobFormatter
 from .metrics import Metrics
+from .reasoning import template_family
 from .tools import template_format
 from .worker import EngineWorker
 
 
 class ServerState:
-    def __init__(self, llm, engine: Engine, config: ServerConfig):
-        self.llm, self.engine, self.config = llm, engine, config
-        self.model_id = llm.model_name
+    def __init__(self, context: ServingContext, config: ServerConfig):
+        self.context, self.config = context, config
+        engine = self.engine = context.engine
+        self.model_id = context.model_id
         self.created = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue,
                                    heap_trim_idle_s=config.heap_trim_idle_s)
-        engine.detokenize = text_decoder(llm.tokenizer.hf)  # the engine thread's own copy: it takes no lock
-        engine.grammars = llm.grammars
-        self.tool_format = template_format(getattr(llm.tokenizer.hf, "chat_template", None))  # tools.py
-        llm.grammars.tokenizer  # built now, before any thread shares the HF tokenizer it reads (~1 s)
-        self.environment = llm.environment()
-        self.environment["num_threads"] = engine.num_threads
+        self.tool_format = template_format(context.chat_template)  # tools.py
+        self.reasoning_family = template_family(context.chat_template)  # reasoning.py
+        self.environment = context.environment
         self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
                             f"-t{engine.num_threads}")
-        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
-        self.formatter = LogprobFormatter(llm.tokenizer, self.tokenizer_lock)
+        self.formatter = LogprobFormatter(context.tokenizer, context.lock)
         m, w = self.metrics, self.worker
         m.gauge("queue_length", "requests accepted and waiting for KV blocks", lambda: w.queue_length)
         m.gauge("running_requests", "requests holding KV blocks", lambda: w.running)
@@ -45,13 +41,3 @@ class ServerState:
         m.gauge("prefix_cache_tokens", "prompt positions held by the prefix cache (0: off)",
                 lambda: engine.prefix.cached_tokens if engine.prefix is not None else 0)
         m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
-
-    # --- tokenizer (serialized) -----------------------------------------------------
-    def encode(self, prompt: Prompt, tools: list[dict] | None = None, **template) -> list[int]:
-        with self.tokenizer_lock:
-            return self.llm.tokenizer.encode_prompt(prompt, tools, **template)
-
-    def decode(self, ids: list[int]) -> str:
-        """As the engine decodes a request's text (detokenize.py): /detokenize of a response's ids gives its text."""
-        with self.tokenizer_lock:
-            return decode_text(self.llm.tokenizer.hf, ids)

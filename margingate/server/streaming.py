@@ -1,6 +1,8 @@
-"""The streaming answer: server-sent events, one chunk per released delta of each choice (tagged
-with its index, carrying its logprobs), each choice's last chunk with its determinism report,
-usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV blocks at once."""
+"""The streaming answer of completions and chat: server-sent events, one chunk per released delta of each
+choice (tagged with its index, carrying its logprobs; chat's with its content, reasoning and the calls' names
+and argument fragments as the answer's parser decides them: call_parser.py), each choice's last chunk with its
+determinism report, usage once every choice is done, `data: [DONE]`; a client gone mid-stream frees the KV
+blocks at once. What a chunk holds is the endpoint's (completions.py, chat.py)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +10,11 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from . import tools
+from .answer import Answer
+from .call_parser import Piece
 from .errors import RequestFailed
-from .events import Handle, Outcome
-from .jobs import Choice, Job, abort_all, determinism_report, echo_text, envelope, merged, usage
+from .events import Handle
+from .jobs import Choice, Job, abort_all, determinism_report, envelope, merged, usage
 from .protocol import error_body
 from .state import ServerState
 from .worker import EngineWorker
@@ -23,77 +26,72 @@ def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
+def pieces_delta(pieces: list[Piece], answer: Answer) -> tuple[str | None, dict]:
+    """A delta's text (None: none) and its other fields: the reasoning, and each call that opened (its
+    index, id and name) or grew (its arguments' fragment), as OpenAI streams them."""
+    texts = [p.text for p in pieces if p.kind == "text"]
+    reasoning = [p.text for p in pieces if p.kind == "reasoning"]
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        if p.kind == "call":
+            calls[p.index] = {"index": p.index, "id": answer.calls[p.index]["id"], "type": "function",
+                              "function": {"name": p.name, "arguments": ""}}
+        elif p.kind == "args":
+            call = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
+            call["function"]["arguments"] += p.text
+    delta = {**({"reasoning_content": "".join(reasoning)} if reasoning else {}),
+             **({"tool_calls": list(calls.values())} if calls else {})}
+    return ("".join(texts) if texts else None), delta
+
+
 class ChunkWriter:
     """Chunks of one response, each choice's text offsets (completions' logprobs) kept apart."""
 
     def __init__(self, state: ServerState, job: Job):
-        self.state, self.job = state, job
-        self.base = envelope(state, job)
-        self.base["object"] = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        self.state, self.job, self.endpoint = state, job, job.endpoint
+        self.base = envelope(state, job, self.endpoint.chunk_object)
         self.text_start = {c.index: 0 for c in job.choices}  # the echoed prompt's length, if echoed
 
     def chunk(self, choice: Choice, text: str | None, ids: list[int], lps: list | None = None,
-              reason: str | None = None, first: bool = False, offsets: list[int] = ()) -> dict:
-        """One chunk: a chat delta (the first names the role) or a completion's text."""
+              reason: str | None = None, first: bool = False, offsets: list[int] = (),
+              delta: dict | None = None) -> dict:
+        """One chunk: its text (chat: its content; `delta`: the delta's other fields; `first`: it names the role)."""
         c: dict = {"index": choice.index, "finish_reason": reason,
-                   "logprobs": self._logprobs(choice, ids, lps, offsets), "token_ids": ids}
-        if self.job.kind == "chat":
-            delta: dict = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            c["delta"] = delta
-        else:
-            c["text"] = text or ""
+                   "logprobs": self.logprobs(choice, ids, lps, offsets), "token_ids": ids,
+                   **self.endpoint.content(text, delta or {}, first)}
         return {**self.base, "choices": [c]}
 
-    def _logprobs(self, choice: Choice, ids: list[int], lps: list | None, offsets: list[int]):
+    def logprobs(self, choice: Choice, ids: list[int], lps: list | None, offsets: list[int]):
         if choice.request.sampling.logprobs is None or lps is None:
             return None
-        fmt = self.state.formatter
-        if self.job.kind == "chat":
-            return fmt.chat(lps)
-        return fmt.completion(ids, lps, [self.text_start[choice.index] + i for i in offsets])
+        return self.endpoint.stream_logprobs(self, choice, ids, lps, offsets)
 
-    def tool_delta(self, choice: Choice, message: dict) -> dict:
-        """An answer with tools, once parsed: its content and its calls (each with its index)."""
-        out = self.chunk(choice, message.get("content"), [], None)
-        calls = message.get("tool_calls")
-        if calls:
-            out["choices"][0]["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return out
-
-    def echo(self, choice: Choice, prompt_lps: list) -> dict:
-        text = echo_text(self.state, choice)
-        out = self.chunk(choice, text, [], None)
-        prompt = choice.request.prompt_ids
-        out["choices"][0]["logprobs"] = self._logprobs(choice, prompt, prompt_lps, self.state.formatter.offsets(prompt))
-        self.text_start[choice.index] = len(text)
-        return out
+    def pieces(self, choice: Choice, pieces: list[Piece], answer: Answer, ids: list[int] = (), lps=None,
+               offsets: list[int] = ()) -> dict:
+        text, delta = pieces_delta(pieces, answer)
+        return self.chunk(choice, text, list(ids), lps, offsets=offsets, delta=delta)
 
 
 async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
-    writer = ChunkWriter(state, job)
+    endpoint, writer = job.endpoint, ChunkWriter(state, job)
     include_usage = bool(job.params.stream_options and job.params.stream_options.include_usage)
-    outcomes = {c.index: Outcome() for c in job.choices}
+    outcomes = {c.index: job.outcome(whole=False) for c in job.choices}
     finished = False
     try:
-        if job.kind == "chat":
-            for c in job.choices:
-                yield sse(writer.chunk(c, "", [], first=True))
+        for c in job.choices:
+            for chunk in endpoint.opening_chunks(writer, c):
+                yield sse(chunk)
         async for choice, event in merged(state, job, handles):
             o = outcomes[choice.index]
-            o.take(event)
+            pieces = o.take(event)
             if event.kind == "prompt":
-                yield sse(writer.echo(choice, event.prompt_logprobs))
+                yield sse(endpoint.echo_chunk(writer, choice, event.prompt_logprobs))
             elif event.kind == "tokens":
-                withheld = job.tool_mode != "none"  # tool calls go out whole, once parsed
-                yield sse(writer.chunk(choice, None if withheld else event.text, event.ids, event.logprobs,
-                                       offsets=event.offsets))
+                yield sse(writer.pieces(choice, pieces, o.answer, event.ids, event.logprobs, event.offsets))
             elif event.kind == "done":
-                if job.tool_mode != "none":
-                    message, o.reason = tools.answer(job.params, job.tool_mode, o.text, o.reason)
-                    yield sse(writer.tool_delta(choice, message))
-                final = writer.chunk(choice, None if job.kind == "chat" else "", [], None, o.reason)
+                if pieces:  # what the parser held until the end
+                    yield sse(writer.pieces(choice, pieces, o.answer))
+                final = writer.chunk(choice, None, [], None, o.finish_reason)
                 final["determinism"] = determinism_report(state, job, choice, o.result)
                 if not include_usage and all(x.result is not None for x in outcomes.values()):
                     final["usage"] = usage(job, outcomes)

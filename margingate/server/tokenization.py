@@ -13,9 +13,9 @@ from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
 from ..data.prompts import Prompt
-from . import tools
+from .chat import CHAT
 from .errors import json_error
-from .parsing import json_object, prompts, read_body, validate
+from .parsing import json_object, read_body, validate
 from .protocol import BadRequest
 from .state import ServerState
 
@@ -33,15 +33,14 @@ async def _ids(state: ServerState, body: dict) -> list[int]:
     """The token ids of a tokenize body: a chat's prompt, or a text."""
     special = _flag(body, "add_special_tokens", "messages" not in body)  # a template writes its own
     if "messages" in body:
-        params = validate(state, body, "chat")
-        return (await prompts(state, params, "chat", tools.mode(params)))[0][0]
+        params = validate(state, body, CHAT.body)
+        return (await CHAT.prompts(state, params, CHAT.tool_mode(params)))[0][0]
     text = body.pop("prompt", None)
     if not isinstance(text, str) or set(body) - {"model"}:
         raise BadRequest("tokenize takes {\"prompt\": text} or a chat body with \"messages\"", param="prompt")
     if special:
-        return await run_in_threadpool(state.encode, Prompt("text", None, text, "http"))
-    with state.tokenizer_lock:
-        return state.llm.tokenizer.encode(text)
+        return await run_in_threadpool(state.context.encode_prompt, Prompt("text", None, text, "http"))
+    return state.context.encode(text)
 
 
 @router.post("/tokenize")
@@ -53,7 +52,7 @@ async def tokenize(req: HTTPRequest):
         ids = await _ids(state, body)
     except BadRequest as exc:
         return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
-    return {"count": len(ids), "max_model_len": state.engine.max_len, "tokens": ids,
+    return {"count": len(ids), "max_model_len": state.context.max_len, "tokens": ids,
             "token_strs": [state.formatter.text(t) for t in ids] if strs else None}
 
 
@@ -62,9 +61,9 @@ async def detokenize(req: HTTPRequest):
     state: ServerState = req.app.state.server
     try:
         body = json_object(await read_body(req, state.config.max_body_bytes))
-        ids, vocab = body.get("tokens"), state.llm.config.vocab_size
+        ids, vocab = body.get("tokens"), state.context.vocab_size
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise BadRequest(f"tokens must be a list of token ids in 0..{vocab - 1}", param="tokens")
     except BadRequest as exc:
         return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
-    return {"prompt": state.decode(ids)}
+    return {"prompt": state.context.decode(ids)}

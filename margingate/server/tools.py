@@ -19,24 +19,23 @@ marker.
 
 Small models often write the call in another shape than their template's blocks: a JSON object with the
 call's `name` and `arguments` in a Markdown fence, or as the whole answer (Qwen2.5-Coder does both).
-Where an answer has no block, such an object that names an offered tool and holds nothing but `name` and
-`arguments` is a call too, and the text around it stays content; any other JSON stays text, unmarked
-(it may be code the user asked for).
+Such an object that names an offered tool and holds nothing but `name` and `arguments` is a call too, and
+the text around it stays content; any other JSON stays text, unmarked (it may be code the user asked for).
+
+Streamed, a call goes out as it is written: its name, then its arguments in fragments (`call_parser.py`),
+bitwise the arguments of the whole answer.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
 from ..options.structured import StructuredOutput
 from . import tool_format
+from .answer import Answer, PlainParser
+from .call_parser import CallParser
 from .formats import NamedToolChoice
 from .protocol import BadRequest
-
-BLOCK = re.compile(re.escape(tool_format.OPEN) + r"(.*?)(?:" + re.escape(tool_format.CLOSE) + r"|\Z)", re.DOTALL)
-FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.DOTALL)
 
 
 def template_format(chat_template: str | None) -> str | None:
@@ -81,88 +80,20 @@ def constraint(params, tool_mode: str, tool_format_name: str | None) -> Structur
     return StructuredOutput(grammar=grammar)
 
 
-def _call(name: str, arguments: Any) -> dict:
-    # arguments the model wrote as a JSON string are that string, not encoded a second time
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
-
-
-def _read(body: str, closed: bool, names: set[str]) -> tuple[dict | None, str | None]:
-    """A block's call, or why it is none."""
-    if not closed:
-        return None, f"no closing {tool_format.CLOSE}"
-    try:
-        call = json.loads(body)
-    except ValueError as exc:
-        return None, f"not JSON: {exc}"
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None, 'not an object with a "name"'
-    if call["name"] not in names:
-        return None, f"{call['name']!r} is not one of the tools"
-    arguments = call.get("arguments", call.get("parameters", {}))  # "parameters": vLLM's spelling
-    if not isinstance(arguments, (dict, str)):
-        return None, "arguments are not a JSON object"
-    return _call(call["name"], arguments), None
-
-
-def _loose_call(body: str, names: set[str]) -> dict | None:
-    """The call a fenced (or bare) JSON object states, or None where it is not exactly a call."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names or set(obj) - {"name", "arguments", "parameters"}:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters"))
-    return _call(obj["name"], arguments) if isinstance(arguments, (dict, str)) else None
-
-
-def _loose_calls(text: str, names: set[str], limit: int) -> tuple[str, list[dict]]:
-    """(content, calls) of an answer without blocks: fenced JSON calls (else the whole answer as one)."""
-    spans = [(m.start(), m.end(), m.group(1)) for m in FENCE.finditer(text)] or [(0, len(text), text)]
-    content, calls, end = [], [], 0
-    for start, stop, body in spans:
-        call = _loose_call(body, names) if len(calls) < limit else None
-        if call is not None:
-            content.append(text[end:start])
-            end = stop
-            calls.append(call)
-    content.append(text[end:])
-    return "".join(content), calls
+def parser(params, tool_mode: str, whole: bool) -> CallParser | PlainParser:
+    """The answer's parser: its text as content (no tools), or content and calls (`call_parser.py`);
+    `whole`: the answer is read at once, not streamed."""
+    if tool_mode == "none":
+        return PlainParser()
+    return CallParser({t.function.name for t in offered(params, tool_mode)}, max_calls(params, tool_mode), whole)
 
 
 def parse(text: str, params, tool_mode: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer. A block that is no call stays in content after a marker; an
-    answer without blocks may state its calls as JSON objects (module docstring)."""
-    names = {t.function.name for t in offered(params, tool_mode)}
-    limit = max_calls(params, tool_mode)
-    if not BLOCK.search(text):
-        content, calls = _loose_calls(text, names, limit)
-        return content.strip() or None, calls
-    content, calls, end = [], [], 0
-    for m in BLOCK.finditer(text):
-        content.append(text[end:m.start()])
-        end = m.end()
-        call, why = _read(m.group(1), m.group(0).endswith(tool_format.CLOSE), names)
-        if call is not None and len(calls) >= limit:
-            call, why = None, f"more than {limit} call{'s' if limit > 1 else ''} (parallel_tool_calls)"
-        if call is not None:
-            calls.append(call)
-        else:
-            content.append(f"[margingate: not a tool call ({why})]\n{m.group(0)}")
-    content.append(text[end:])
-    return "".join(content).strip() or None, calls
-
-
-def answer(params, tool_mode: str, text: str, reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message's content and tool_calls for a finished answer, and its finish_reason
-    ("tool_calls" when it called one)."""
-    if tool_mode == "none":
-        return {"content": text}, reason
-    content, calls = parse(text, params, tool_mode)
-    if not calls:
-        return {"content": content}, reason
-    return {"content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+    """(content, tool_calls) of a whole answer. A block that is no call stays in content after a marker; an
+    answer may state its calls as JSON objects (module docstring)."""
+    answer, read = Answer(stripped=True), parser(params, tool_mode, whole=True)
+    answer.take(read.feed(text) + read.finish())
+    return answer.message()["content"], answer.calls
 
 
 # --- the prompt -------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""`POST /v1/chat/completions`: the messages through the model's chat template (tools offered as tools.py says),
+n samples; each answer read by its parser (reasoning.py, then call_parser.py) into the assistant message's
+content, `reasoning_content` and `tool_calls`, with chat's logprobs (`content`: token, logprob, bytes,
+top_logprobs); streamed as deltas, the first naming the role."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
+
+from ..data.prompts import Prompt
+from . import tools
+from .bodies import ChatCompletionRequest
+from .endpoint import Endpoint
+from .events import Outcome
+from .jobs import Choice, Job
+from .protocol import BadRequest
+from .reasoning import Reasoning
+from .state import ServerState
+from .streaming import ChunkWriter
+
+
+class ChatEndpoint(Endpoint):
+    body = ChatCompletionRequest
+    id_prefix = "chatcmpl-"
+    prompt_param = "messages"
+    logprob_names = {"logprobs": "top_logprobs"}
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def tool_mode(self, params) -> str:
+        return tools.mode(params)
+
+    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
+        """The one prompt the template makes of the messages and the tools offered."""
+        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format, tool_mode)), None, "http")
+        offered = tools.template_tools(params, state.tool_format)
+        try:
+            ids = await run_in_threadpool(state.context.encode_prompt, chat, offered, **params.template_options())
+        except TemplateError as exc:  # chat_template_kwargs or a message the template refuses
+            raise BadRequest(f"the chat template failed on this request: {exc}", param="messages") from None
+        return [(ids, None)]
+
+    def reasoning(self, state: ServerState, prompt_ids: list[int]) -> Reasoning | None:
+        if state.reasoning_family is None:
+            return None
+        return Reasoning.of(state.reasoning_family, state.context.prompt_tail(prompt_ids))
+
+    # --- the answer -----------------------------------------------------------------------------------
+    def choice_body(self, state: ServerState, job: Job, choice: Choice, o: Outcome) -> dict:
+        logprobs = state.formatter.chat(o.logprobs) if choice.request.sampling.logprobs is not None else None
+        return {"index": choice.index, "finish_reason": o.finish_reason, "token_ids": o.ids,
+                "message": {"role": "assistant", **o.answer.message()}, "logprobs": logprobs}
+
+    def opening_chunks(self, writer: ChunkWriter, choice: Choice) -> Iterator[dict]:
+        yield writer.chunk(choice, "", [], first=True)
+
+    def content(self, text: str | None, delta: dict, first: bool) -> dict:
+        return {"delta": {**({"role": "assistant"} if first else {}), **({} if text is None else {"content": text}),
+                          **delta}}
+
+    def stream_logprobs(self, writer: ChunkWriter, choice: Choice, ids: list[int], lps: list, offsets: list[int]):
+        return writer.state.formatter.chat(lps)
+
+
+CHAT = ChatEndpoint()

@@ -1,0 +1,77 @@
+"""`POST /v1/completions`: prompts as text or token ids (each encoded as it is, no template), n samples of
+each; the answer's text, `echo` (the prompt, and its logprobs, before it) and the legacy logprobs object
+(tokens, token_logprobs, top_logprobs, text_offset); streamed, one chunk of text per release, the echoed
+prompt first."""
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+
+from ..data.prompts import Prompt
+from .bodies import CompletionRequest
+from .endpoint import Endpoint
+from .events import Outcome
+from .jobs import Choice, Job
+from .logprobs import merge_completion
+from .state import ServerState
+from .streaming import ChunkWriter
+
+
+class CompletionsEndpoint(Endpoint):
+    body = CompletionRequest
+    id_prefix = "cmpl-"
+    prompt_param = "prompt"
+    logprob_names = {"prompt_logprobs": "logprobs"}
+    object_name = chunk_object = "text_completion"
+
+    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
+        out = []
+        for p in params.prompt:
+            ids = p if isinstance(p, list) else await run_in_threadpool(state.context.encode_prompt,
+                                                                        Prompt("text", None, p, "http"))
+            out.append((ids, p if isinstance(p, str) else None))
+        return out
+
+    # --- the answer -----------------------------------------------------------------------------------
+    def choice_body(self, state: ServerState, job: Job, choice: Choice, o: Outcome) -> dict:
+        body = {"index": choice.index, "finish_reason": o.finish_reason, "token_ids": o.ids}
+        echo = None
+        if job.echo:
+            echo = (echo_text(state, choice), o.prompt_logprobs or o.result.prompt_logprobs)
+            body["prompt_token_ids"] = choice.request.prompt_ids
+        body["text"] = (echo[0] if echo else "") + o.text
+        body["logprobs"] = self.logprobs_body(state, choice, o, echo)
+        return body
+
+    def logprobs_body(self, state: ServerState, choice: Choice, outcome: Outcome, echo: tuple | None):
+        """The legacy logprobs object; `echo` = (prompt text, prompt logprobs)."""
+        if choice.request.sampling.logprobs is None:
+            return None
+        parts, fmt = [], state.formatter
+        if echo is not None:
+            prompt = choice.request.prompt_ids
+            parts.append(fmt.completion(prompt, echo[1], fmt.offsets(prompt)))
+        start = len(echo[0]) if echo is not None else 0
+        parts.append(fmt.completion(outcome.ids, outcome.logprobs, [start + i for i in outcome.offsets]))
+        return merge_completion(parts)
+
+    def content(self, text: str | None, delta: dict, first: bool) -> dict:
+        return {"text": text or ""}
+
+    def stream_logprobs(self, writer: ChunkWriter, choice: Choice, ids: list[int], lps: list, offsets: list[int]):
+        return writer.state.formatter.completion(ids, lps, [writer.text_start[choice.index] + i for i in offsets])
+
+    def echo_chunk(self, writer: ChunkWriter, choice: Choice, prompt_lps: list) -> dict:
+        """The prompt as it was sent, with its logprobs: the stream's first text for this choice."""
+        text = echo_text(writer.state, choice)
+        prompt = choice.request.prompt_ids
+        out = writer.chunk(choice, text, prompt, prompt_lps, offsets=writer.state.formatter.offsets(prompt))
+        out["choices"][0]["token_ids"] = []
+        writer.text_start[choice.index] = len(text)
+        return out
+
+
+def echo_text(state: ServerState, choice: Choice) -> str:
+    return choice.prompt_text if choice.prompt_text is not None else state.context.decode(choice.request.prompt_ids)
+
+
+COMPLETIONS = CompletionsEndpoint()
