@@ -198,7 +198,8 @@ def test_draft_proposer_equals_plain(copying, tiny_random_model, draft, monkeypa
     if draft != "tiny":
         assert stats["accepted_tokens"] == stats["proposed_tokens"]
     draft_pool = llm.engine.draft.kv
-    assert draft_pool.num_free == draft_pool.num_blocks  # every request gave its draft blocks back
+    # every request gave its draft blocks back (the draft's runner keeps its sink block)
+    assert draft_pool.num_free == draft_pool.num_blocks - 1
 
 
 def test_a_draft_needs_the_targets_tokenizer(tiny_random_model, tmp_path):
