@@ -96,7 +96,8 @@ def check_order(stream: list[tuple[str, dict]]) -> None:
             assert starts.index(d["index"]) >= 0
 
 
-@pytest.mark.parametrize("policy", [p for p in deterministic_policies() if p != "auto"])
+@pytest.mark.parametrize("policy", [p if p == "batch-invariant" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in deterministic_policies() if p != "auto"])
 def test_a_stream_is_the_whole_message_bitwise(http, policy):
     body = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "determinism": {"policy": policy},
             **FORCED}
