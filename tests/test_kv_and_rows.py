@@ -279,3 +279,9 @@ def test_prompt_kv_equal_whole_chunked_token_by_token(llm, prompt_whole, chunk):
     k, v = columns(kv, tables, 2, 0, n)
     assert torch.equal(k, k_whole) and torch.equal(v, v_whole)
     assert torch.equal(logits[-1], last)
+
+
+def test_bytes_per_block_counts_codes_and_scales():
+    """A block's K and V bytes, every layer: bf16 values, or int8 codes plus one fp32 scale per head and row."""
+    assert KVPool(3, 2, 4, 2, 8).bytes_per_block == 2 * 3 * 2 * 4 * 8 * 2
+    assert KVPool(3, 2, 4, 2, 8, dtype="int8").bytes_per_block == 2 * 3 * 2 * 4 * (8 + 4)

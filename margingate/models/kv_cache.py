@@ -65,8 +65,8 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        per = self.k[:, 0].numel() * self.k.element_size() + self.k_scale[:, 0].numel() * 4 * self.int8
-        return 2 * per
+        scales = self.k_scale[:, 0].numel() * 4 if self.int8 else 0
+        return 2 * (self.k[:, 0].numel() * self.k.element_size() + scales)
 
     def tensors(self) -> list[torch.Tensor]:
         """[k, v, k_scale, v_scale] (scales empty unless int8): the compiled stack's view of the cache."""
