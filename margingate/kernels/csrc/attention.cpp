@@ -123,25 +123,27 @@ struct CacheHead {
   const float* scales;  // int8 only
   const BlockTables* bt;
   int64_t r, head, lo, hkv, block, d;
-  // keys [j0, j0 + n) into dst ([n, d] fp32), walking the table block by block
+  // keys [j0, j0 + n) into dst ([n, d] fp32), a run of consecutive rows of one block at a time (a KV head's
+  // rows of a block lie side by side)
   void widen(int64_t j0, int64_t n, float* dst) const {
     const int64_t* table = bt->tables + bt->table_of[r] * bt->width;
-    int64_t b = (lo + j0) / block, o = (lo + j0) % block;
-    for (int64_t j = 0; j < n; ++j, dst += d) {
-      const int64_t row = (table[b] * hkv + head) * block + o;
-      widen_row(data + row * d, scales ? scales[row] : 1.0f, dst);
-      if (++o == block) o = 0, ++b;
+    for (int64_t p = lo + j0; n > 0;) {
+      const int64_t o = p % block, run = std::min(n, block - o), row = (table[p / block] * hkv + head) * block + o;
+      widen_rows(data + row * d, scales ? scales + row : nullptr, run, dst);
+      p += run, n -= run, dst += run * d;
     }
   }
-  void widen_row(const C* src, float scale, float* dst) const {
+  void widen_rows(const C* src, const float* scale, int64_t rows, float* dst) const {
     if constexpr (std::is_same_v<C, int8_t>) {
-      const __m256 s = _mm256_set1_ps(scale);
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
+      for (int64_t k = 0; k < rows; ++k, src += d, dst += d) {
+        const __m256 s = _mm256_set1_ps(scale[k]);
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
+        }
       }
     } else {
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+      for (int64_t e = 0; e < rows * d; e += 8) _mm256_storeu_ps(dst + e, load8(src + e));
     }
   }
 };
