@@ -14,7 +14,7 @@ from ..options.engine import EngineConfig
 from .detokenize import Detokenizer
 from .logprobs import logprobs_of
 from .policy import Policy, VerifyJob
-from .pool import build_pool, context_length
+from .pool import build_pool, context_length, requested_context
 from .prefix_cache import PrefixCache
 from .proposers import SpeculationStats, proposer_for
 from .runner import Runner
@@ -128,8 +128,7 @@ class Engine:
 
     def _context_limit(self) -> str:
         """What bounds the context, where it is the KV pool rather than the model or --max-model-len."""
-        if self.max_len < min(self.config.max_model_len or self.model.config.max_position,
-                              self.model.config.max_position):
+        if self.max_len < requested_context(self.model.config, self.config):
             return f": all the KV pool holds ({self.kv.num_blocks} blocks; raise --kv-cache-memory)"
         return ""
 

@@ -33,6 +33,11 @@ def bytes_per_position(config: ModelConfig, kv_dtype: str) -> int:
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
+def requested_context(model_config: ModelConfig, config: EngineConfig) -> int:
+    """The context asked for: --max-model-len, else the model's own, never beyond the model's."""
+    return min(config.max_model_len or model_config.max_position, model_config.max_position)
+
+
 def pool_blocks(model_config: ModelConfig, config: EngineConfig) -> int:
     per_block = bytes_per_position(model_config, config.kv_cache_dtype) * config.kv_block_size
     if config.kv_cache_memory is not None:
@@ -41,8 +46,8 @@ def pool_blocks(model_config: ModelConfig, config: EngineConfig) -> int:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} GB holds {blocks} blocks of "
                              f"{config.kv_block_size} positions ({per_block} bytes each): too small for one request")
         return blocks
-    context = min(config.max_model_len or model_config.max_position, model_config.max_position)
-    needed = config.max_num_seqs * blocks_for(context, config.kv_block_size) + SINK_BLOCKS
+    per_request = blocks_for(requested_context(model_config, config), config.kv_block_size)
+    needed = config.max_num_seqs * per_request + SINK_BLOCKS
     return max(2, min(needed, int(available_bytes() * DEFAULT_MEMORY_SHARE) // per_block))
 
 
@@ -55,5 +60,4 @@ def build_pool(model: DecoderModel, config: EngineConfig) -> KVPool:
 def context_length(model_config: ModelConfig, config: EngineConfig, pool: KVPool) -> int:
     """Positions one request may reach: the model's trained context (or --max-model-len), within what the pool
     holds beside the runner's sink block."""
-    wanted = min(config.max_model_len or model_config.max_position, model_config.max_position)
-    return max(2, min(wanted, (pool.num_blocks - SINK_BLOCKS) * pool.block_size))
+    return max(2, min(requested_context(model_config, config), (pool.num_blocks - SINK_BLOCKS) * pool.block_size))
