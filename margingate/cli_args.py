@@ -22,7 +22,7 @@ from .options import (
     SpeculativeError,
     parse_tau,
 )
-from .options.engine import PREFIX_CACHE_TOKENS
+from .options.engine import PREFIX_CACHE_TOKENS, STEP_GRAPHS
 from .options.weights import QUANTIZE, WEIGHTS
 
 # --- argument types: each names the problem in its message -------------------------------
@@ -108,6 +108,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "as --max-num-batched-tokens leaves)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, metavar="N",
                    help="rows per step: every decode row, then prompt chunks, oldest request first")
+    p.add_argument("--step-graphs", default="auto", choices=STEP_GRAPHS,
+                   help="forwards of up to 512 rows padded to buckets and recorded once each: auto (CUDA graphs on "
+                        "a GPU, none on CPU), cuda, stand-in (the same buckets run eagerly), off")
 
 
 def add_quantize_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -271,4 +274,5 @@ def llm(args, max_num_seqs: int):
                max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
                prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0,
                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-               kv_block_size=args.kv_block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+               kv_block_size=args.kv_block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+               step_graphs=args.step_graphs)

@@ -64,7 +64,7 @@ class LLM:
                  prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
                  kernels: str = "auto", weights: str = "auto", quantize: str | None = None,
                  kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16,
-                 max_num_batched_tokens: int = 4096):
+                 max_num_batched_tokens: int = 4096, step_graphs: str = "auto"):
         started = time.perf_counter()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
@@ -88,7 +88,8 @@ class LLM:
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
                               prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
                               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                              kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens)
+                              kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens,
+                              step_graphs=step_graphs)
         draft = self._load_draft(draft_model, config) if draft_model is not None else None
         self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
                              detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)

@@ -21,6 +21,7 @@ from kv_helpers import request_pool  # noqa: E402
 
 from margingate.engine import Request  # noqa: E402
 from margingate.engine.engine import Engine, EngineConfig  # noqa: E402
+from margingate.engine.sampling import SamplingParams  # noqa: E402
 from margingate.kernels import triton as mt  # noqa: E402
 from margingate.models.decoder import AttentionPlan, DecoderModel, resolve_kernels  # noqa: E402
 from margingate.models.loader import load_config, load_state_dict, resolve_model_dir  # noqa: E402
@@ -105,6 +106,31 @@ def test_triton_engine_keeps_the_contract(model, alone, policy):
     reqs.append(Request(PROMPTS[0][:3], NEW, build(PolicySpec("fast")), ignore_eos=True, request_id="fast"))
     out = [r.token_ids for r in eng.generate(reqs)]
     assert out[:3] == alone
+
+
+RECORDED = "cuda" if DEVICE == "cuda" else "stand-in"  # CUDA graphs on a GPU, their stand-in under the interpreter
+
+
+def recorded_run(model, policy: str, graphs: str) -> list:
+    eng = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, step_graphs=graphs),
+                 lambda: build(PolicySpec(policy)))
+    reqs = [Request(p, NEW, ignore_eos=True, request_id=f"g{i}", arrival_step=i, sampling=SamplingParams(logprobs=2))
+            for i, p in enumerate(PROMPTS)]
+    out = [(r.token_ids, [(lp.token, lp.logprob, lp.top) for lp in r.logprobs]) for r in eng.generate(reqs)]
+    assert graphs == "off" or eng.runner.graphs.recorded >= 2
+    return out
+
+
+@pytest.mark.parametrize("policy", ["batch-invariant", "margin", "dvr", "fast"])
+def test_triton_recorded_forwards_keep_every_bit(model, policy):
+    """Forwards padded to buckets of rows and recorded (CUDA graphs on a GPU, their stand-in under the
+    interpreter): the tokens and logprobs of the same engine without them, bitwise. `fast`'s cuBLAS picks its
+    kernel by the padded shape, so on a GPU its graphs are held to the stand-in, which pads the same."""
+    if policy == "fast" and RECORDED != "cuda":
+        pytest.skip("fast's recorded forwards are checked against their stand-in on a GPU (here both are the "
+                    "stand-in)")
+    base = "stand-in" if policy == "fast" else "off"
+    assert recorded_run(model, policy, RECORDED) == recorded_run(model, policy, base)
 
 
 def test_triton_speculation_equals_plain(model, alone):

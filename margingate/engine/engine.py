@@ -68,7 +68,11 @@ class Engine:
         torch.set_num_threads(self.num_threads)  # part of the determinism contract: recorded in reports
         self.kv = build_pool(model, config)
         self.max_len = context_length(model.config, config, self.kv)
-        self.runner = Runner(model, self.kv)
+        graphs = config.step_graphs
+        if graphs == "auto":
+            graphs = "cuda" if model.device.type == "cuda" else "off"
+        self.runner = Runner(model, self.kv, graphs=graphs, max_len=self.max_len,
+                             graph_rows=max(config.graph_rows, config.max_num_seqs))
         self.verifier = Verifier(self.runner)
         self.draft = draft  # a DraftModel (draft.py) for `speculative: draft` requests
         # token ids -> text (detokenize.text_decoder), for each request's text and stop strings (None: no text).
@@ -246,12 +250,12 @@ class Engine:
                 self._record(seq, accept(seq, rows))
                 seq.appended()  # the step may have accepted tokens past a stop string
             else:
-                plain.append((seq, rows[-1]))
+                plain.append((seq, rows[-1:]))
         if plain:
             self._policies_decode(*map(list, zip(*plain)))
 
     def _policies_decode(self, batch: list[Sequence], rows: list[torch.Tensor]) -> None:
-        steps = [choose(s, row[None], s.last_fed_pos) for s, row in zip(batch, rows)]
+        steps = [choose(s, row, s.last_fed_pos) for s, row in zip(batch, rows)]
         jobs = [seq.policy.propose(seq, step) for seq, step in zip(batch, steps)]
         if any(jobs):  # a pass runs this step: its fixed cost is paid, others may ride along
             jobs = [job or seq.policy.join(seq, step) for seq, step, job in zip(batch, steps, jobs)]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import invariant
+from .device_rows import DeviceRows, host
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +24,9 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), best first
 
 
-def logprobs_of(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """Row r's logprob of tokens[r], and its k best tokens."""
+def logprobs_of(rows: torch.Tensor | DeviceRows, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Row r's logprob of tokens[r], and its k best tokens (rows left on the device are read back)."""
+    rows = host(rows)
     rows = rows.reshape(-1, rows.shape[-1]).float()
     lse = invariant.logsumexp_rows(rows)
     picked = rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] - lse

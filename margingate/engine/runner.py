@@ -6,6 +6,10 @@ Each span's rows attend over exactly their own prefix (the invariant kernel) unl
 are a decode row whose policy takes the batched fast path, and the forward runs our
 invariant Linear/norm kernels unless every span's `KernelChoice` is the library's (prompt
 chunks and verifier windows never are).
+
+A forward of few rows that attend one way may run as its bucket's recorded forward (`step_graphs.py`:
+CUDA graphs on a GPU). On a GPU the logits stay there and only each row's argmax and margin come back
+(`device_rows.py`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import torch
 from ..kernels.choice import KernelChoice
 from ..models.decoder import AttentionPlan, DecoderModel
 from ..models.kv_cache import BlockTable, KVPool, PoolExhausted, blocks_for
+from .device_rows import DeviceRows
 from .sequence import Sequence
+from .step_graphs import StepGraphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +45,20 @@ class Span:
 
 
 class Runner:
-    def __init__(self, model: DecoderModel, kv: KVPool):
+    def __init__(self, model: DecoderModel, kv: KVPool, *, graphs: str = "off", max_len: int = 0,
+                 graph_rows: int = 512, on_device: bool | None = None):
+        """`graphs`: `cuda` (capture CUDA graphs), `stand-in` (the same buckets run eagerly) or `off`, for forwards
+        of up to `graph_rows` rows over requests of up to `max_len` positions. `on_device`: leave logits rows on
+        the device (`DeviceRows`); by default on a GPU."""
         self.model, self.kv, self.device = model, kv, model.device
         # where the dummy rows of padded verifier passes write and read: every position in one block, held for
         # good (their results are thrown away; only the pass's shape counts)
         self.sink = kv.allocate()
+        self.on_device = model.device.type == "cuda" if on_device is None else on_device
+        self.graphs = None
+        if graphs != "off":  # tables as wide as a request's context, or as a pass's padding span (sink positions)
+            self.graphs = StepGraphs(model, kv, self.sink, blocks_for(max(max_len, graph_rows), kv.block_size),
+                                     graph_rows, capture=graphs == "cuda")
 
     def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
         """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
@@ -77,7 +92,7 @@ class Runner:
                     logits_rows=len(drafts) + 1, drafts=drafts)
 
     def forward(self, spans: list[Span], dtype: torch.dtype,
-                kernel_choice: KernelChoice) -> list[torch.Tensor | None]:
+                kernel_choice: KernelChoice) -> list[torch.Tensor | DeviceRows | None]:
         """One forward over the spans; each span's wanted logits rows, or None."""
         tokens, positions, exact, batched, wanted = [], [], [], [], []
         tables, table_of = self._tables(spans)
@@ -91,13 +106,18 @@ class Runner:
             (exact if span.exact_attention else batched).extend(range(first, len(tokens)))
             wanted.extend(range(len(tokens) - span.logits_rows, len(tokens)))
         dev = self.device
-        logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                    tables, torch.tensor(table_of, device=dev), AttentionPlan(exact, batched),
-                                    self.kv, dtype=dtype, kernel_choice=kernel_choice,
-                                    logits_rows=torch.tensor(wanted, dtype=torch.long, device=dev))
+        wanted_rows = torch.tensor(wanted, dtype=torch.long, device=dev)
+        if self.graphs is not None and self.graphs.takes(len(tokens)) and not (exact and batched):
+            logits = self.graphs.forward(tokens, positions, tables, table_of, bool(exact), dtype, kernel_choice)
+            logits = logits[wanted_rows]  # a copy: the bucket's buffers are the next replay's
+        else:
+            logits = self.model.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                                        tables, torch.tensor(table_of, device=dev), AttentionPlan(exact, batched),
+                                        self.kv, dtype=dtype, kernel_choice=kernel_choice, logits_rows=wanted_rows)
         # sampling, logprobs and margins read logits on the CPU (csrc/logits.cpp's fixed orders): the same
-        # bits from the same logits whatever device computed them
-        logits = logits.cpu()
+        # bits from the same logits whatever device computed them; on a GPU only a greedy row's argmax and
+        # margin come back unless the request needs more
+        logits = DeviceRows.read(logits) if self.on_device else logits.cpu()
         out, at = [], 0
         for span in spans:
             out.append(logits[at:at + span.logits_rows] if span.logits_rows else None)

@@ -31,6 +31,7 @@ import torch
 
 from ..kernels import invariant
 from ..options.sampling import SamplingParams
+from .device_rows import DeviceRows
 from .structured import masked
 
 if TYPE_CHECKING:
@@ -41,10 +42,10 @@ class RowChoices:
     """What rows of one request choose. Row i was fed the token at position `first_pos` + i; its
     choice, `tokens[i]`, is the token at `first_pos` + i + 1 (`positions[i]`)."""
     first_pos: int
-    logits: torch.Tensor   # [n, vocab] fp32, as the forward returned them: what logprobs report
-    scores: torch.Tensor   # [n, vocab] with the request's sampling applied: what the tokens are the argmax of
+    logits: torch.Tensor | DeviceRows  # [n, vocab] fp32, as the forward returned them: what logprobs report
+    scores: torch.Tensor | DeviceRows  # [n, vocab] with the request's sampling applied: the tokens' argmax
     tokens: list[int]
-    processed: torch.Tensor | None = None  # [n, vocab] `scores` less the noise: what "processed" logprobs report
+    processed: torch.Tensor | DeviceRows | None = None  # `scores` less the noise: what "processed" logprobs report
 
     @property
     def positions(self) -> range:
@@ -61,7 +62,13 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     """The one place a row's token is chosen: `rows` (fp32 logits, [n, vocab]) were fed the tokens at
     positions first_pos, first_pos + 1, ... of `seq` (a decode step's first row: `seq.last_fed_pos`),
     followed by this step's `drafts` (speculation: not the sequence's tokens until accepted, yet row i's
-    penalties see d1..di, as plain decoding after them would)."""
+    penalties see d1..di, as plain decoding after them would). Rows left on the device (`DeviceRows`) choose
+    from their read-back argmax when the request is plain greedy; otherwise they are read back here."""
+    sp = seq.request.sampling
+    if isinstance(rows, DeviceRows):
+        if sp.temperature == 0 and not sp.adjusts and seq.grammar is None:
+            return RowChoices(first_pos, rows, rows, list(rows.best), rows)
+        rows = rows.cpu()
     history = [*seq.request.prompt_ids, *seq.output_ids, *drafts] if seq.request.sampling.adjusts else []
     dist = processed(seq, rows, first_pos + 1, history)
     scored = dist

@@ -45,24 +45,26 @@ class AttentionRows:
     Row r's keys lie in its request's block table, tables[table_of[r]] (models/kv_cache.py). With our
     kernel every row goes in one call: exact rows lay their key chunks from position 0, batched rows
     align theirs to the batch's longest row (`aligns`, as a padded batched kernel walks them). With the
-    library's kernels (`KernelChoice.LIBRARY`), or Triton's (no aligned chunks), the batched rows instead
-    share one padded SDPA call, and only then are its gather and row split built (and its key mask, once
-    per sliding window, on first use)."""
+    library's kernels (`KernelChoice.LIBRARY`) on CPU the batched rows instead share one padded SDPA call,
+    and only then are its gather and row split built (and its key mask, once per sliding window, on first
+    use). On the Triton backend every row, batched or exact, goes through its paged kernel (which has no
+    aligned chunks), as vLLM's decode reads its paged cache with its own kernel."""
 
     def __init__(self, plan: AttentionPlan, tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
                  kernel_choice: KernelChoice = KernelChoice.INVARIANT, triton: bool = False):
         dev = positions.device
-        self.triton = triton  # exact rows through the Triton kernel
+        self.triton = triton  # every row through the Triton kernel
         self.tables, self.table_of, self.positions = tables, table_of, positions
         self.lengths = positions + 1
         self.aligns = torch.zeros_like(positions)
         self.exact = self.batched = None
-        if not plan.batched:
+        # Triton's paged kernel reads batched rows' keys in place too: no gather, no host sync (CUDA graphs)
+        if not plan.batched or triton:
             return
         lengths = self.lengths[plan.batched]
         lmax = int(lengths.max())
         self.aligns[plan.batched] = lmax
-        if kernel_choice is KernelChoice.INVARIANT and not triton:  # Triton's attention has no aligned chunks
+        if kernel_choice is KernelChoice.INVARIANT:
             return
         if plan.exact:
             idx = torch.tensor(plan.exact, device=dev)

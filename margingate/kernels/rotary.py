@@ -24,6 +24,14 @@ class RotaryTable:
         self.inv_freq = inv_freq.tolist()
         self.tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.size = 0
+        self.reserved = False  # grown ahead (`reserve`): lookups no longer read their positions on the host
+
+    def reserve(self, n: int) -> None:
+        """Hold positions [0, n) now and stop checking each lookup's positions on the host, a sync that a
+        CUDA graph cannot hold; a position past them then fails the device's own index check, loudly."""
+        if n > self.size:
+            self._grow(n)
+        self.reserved = True
 
     def _grow(self, n: int) -> None:
         size = max(256, 1 << (n - 1).bit_length())
@@ -37,9 +45,8 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 1, D] cos and sin for these positions, in `dtype`, on their device (the fp32 table cast
         and moved once per dtype and device)."""
-        top = int(positions.max()) + 1
-        if top > self.size:
-            self._grow(top)
+        if not self.reserved and int(positions.max()) + 1 > self.size:
+            self._grow(int(positions.max()) + 1)
         key = (dtype, positions.device)
         if key not in self.tables:
             cos, sin = self.tables[(torch.float32, torch.device("cpu"))]

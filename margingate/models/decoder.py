@@ -92,6 +92,12 @@ class DecoderModel:
         them; on CUDA cuBLAS and SDPA are far ahead of the Triton kernels, so `fast` runs those."""
         return not self.triton
 
+    def reserve_positions(self, n: int) -> None:
+        """Build the RoPE tables of positions [0, n) now, so that no forward reads its positions on the host
+        (recorded forwards: engine/step_graphs.py)."""
+        for table in filter(None, (self._rotary, self._local_rotary)):
+            table.reserve(n)
+
     def weights(self, dtype: torch.dtype) -> ModelWeights:
         """The library kernels' weights, plain, in `dtype`: unpacked on first use (only `fast-library`
         and LayerCast pay for this second copy)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 #: the prefix cache's size when a command turns it on (prefix_cache.py); SmolLM2-135M: ~23 KB of K/V per
 #: position, ~370 MB in all
 PREFIX_CACHE_TOKENS = 16384
+STEP_GRAPHS = ("auto", "cuda", "stand-in", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,10 @@ class EngineConfig:
     # speculative rows only where the step profile says they pay (step_profile.py); False: every
     # request feeds all the proposals it asks for (benchmarks; the tokens are the same either way)
     speculative_cost_model: bool = True
+    # forwards of up to `graph_rows` rows recorded once per bucket of rows (engine/step_graphs.py): `auto`, CUDA
+    # graphs on a GPU and none on CPU; `cuda`; `stand-in`, the same buckets run eagerly (tests); `off`
+    step_graphs: str = "auto"
+    graph_rows: int = 512
 
     def __post_init__(self):
         if self.prefix_cache_tokens < 0:
@@ -39,5 +44,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GB, got {self.kv_cache_memory}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.step_graphs not in STEP_GRAPHS:
+            raise ValueError(f"step_graphs must be one of {', '.join(STEP_GRAPHS)}, got {self.step_graphs!r}")
+        if self.graph_rows < 1:
+            raise ValueError(f"graph_rows must be >= 1, got {self.graph_rows}")
         if self.kv_cache_dtype not in ("bfloat16", "int8"):
             raise ValueError(f"kv_cache_dtype must be bfloat16 or int8, got {self.kv_cache_dtype!r}")

@@ -21,14 +21,15 @@ import math
 
 import torch
 
+from ..engine.device_rows import DeviceRows, margins
 from ..engine.sampling import RowChoices
 from ..engine.sequence import Sequence
 from .verifying import VerifyingPolicy
 
 
-def margin_of(logits: torch.Tensor) -> float:
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+def margin_of(logits: torch.Tensor | DeviceRows) -> float:
+    """The last row's gap between its best and second-best value."""
+    return margins(logits[-1:])[-1]
 
 
 class MarginPolicy(VerifyingPolicy):
@@ -47,7 +48,7 @@ class MarginPolicy(VerifyingPolicy):
         """`step.scores` are what the row chooses from: logits / T plus Gumbel noise at temperature T > 0.
         Their top-two gap times T is in logit units, the units tau is calibrated in (at T = 1 / 2 the raw
         score gap would make the gate fire half / twice as often for the same risk)."""
-        margin = margin_of(step.scores[-1]) * (seq.request.sampling.temperature or 1.0)
+        margin = margin_of(step.scores) * (seq.request.sampling.temperature or 1.0)
         seq.state.min_margin = min(seq.state.min_margin, margin)
         return margin < self.tau or margin == 0.0  # an exact tie always triggers
 
