@@ -121,7 +121,10 @@ def recorded_run(model, policy: str, graphs: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("policy", ["batch-invariant", "margin", "dvr", "fast"])
+# batch-invariant in the default tier; the verifiers' passes (slow under the interpreter) in the slow one, and
+# every policy on the compiled CPU kernels in test_step_graphs.py
+@pytest.mark.parametrize("policy", ["batch-invariant", pytest.param("margin", marks=pytest.mark.slow),
+                                    pytest.param("dvr", marks=pytest.mark.slow), "fast"])
 def test_triton_recorded_forwards_keep_every_bit(model, policy):
     """Forwards padded to buckets of rows and recorded (CUDA graphs on a GPU, their stand-in under the
     interpreter): the tokens and logprobs of the same engine without them, bitwise. `fast`'s cuBLAS picks its

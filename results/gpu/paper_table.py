@@ -230,7 +230,8 @@ def percent(x) -> str:
 
 
 def markdown(rep: dict) -> str:
-    lines = [f"# The paper's table: {rep['device']}", "", f"torch {rep['torch']}, copy bandwidth "
+    dry = " (Triton's interpreter: the timings say nothing)" if rep["device"] == "dry-run-cpu" else ""
+    lines = [f"# The paper's table: {rep['device']}{dry}", "", f"torch {rep['torch']}, copy bandwidth "
              f"{rep['bandwidth_GBps']:.0f} GB/s, {rep['new']} new tokens per request, prompts of "
              f"{rep['prompt_len'][0]}-{rep['prompt_len'][1]} tokens, random bf16 weights", ""]
     for name, r in rep["shapes"].items():
@@ -241,7 +242,9 @@ def markdown(rep: dict) -> str:
                   f"flipped under fast)", "", "| policy | sequence determinism | digest |", "|---|---|---|"]
         lines += [f"| {p} | {100 * c['sequence_determinism']:.1f} % | {c['digest']} |"
                   for p, c in r["check"].items() if p != "alone"]
-        lines += ["", "| B | policy | ms / step | increase over fast | margin trigger rate | of floor |",
+        lines += ["", "ms / token: a run's wall time (B requests, prefill included) over its new tokens per request; "
+                  "of floor: the memory-read floor of one decode step over fast's ms / token", "",
+                  "| B | policy | ms / token | increase over fast | margin trigger rate | of floor |",
                   "|---|---|---|---|---|---|"]
         for b, row in r["bench"].items():
             for p in POLICIES:
