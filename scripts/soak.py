@@ -4,22 +4,24 @@
 
 Starts `margingate serve` on loopback (or uses `--url`; give `--pid` for its memory), then:
 
-1. alone-runs: each distinct request of the pool (5 shapes x `--pool` prompts) sent once, not streamed,
+1. alone-runs: each distinct request of the pool (7 shapes x `--pool` prompts) sent once, not streamed,
    under `reference`, with no other traffic. The contract says every deterministic policy gives the
    request's tokens and logprobs alone, which are reference's alone, so one alone-run per request content
    serves every policy (a stronger check than comparing a policy with itself);
 2. the soak: each client draws its next request from its own generator, seeded by `--seed` and its index:
    a completion, a chat, a chat with a `response_format` json_schema, a chat with tools (a named function,
-   or `auto`), under reference, batch-invariant, margin, dvr or fast (speculating at times under the first
-   two), streamed or not; a bad request (malformed JSON, an unknown policy, negative max_tokens: each must be
-   a 4xx); or a stream cancelled after a few tokens;
-3. each answer whose report says `guaranteed` is compared with its alone-run: token ids, text, tool calls,
-   logprobs and finish reason, bitwise.
+   or `auto`), a Responses answer (`/v1/responses`: text, or function tools named or `auto`), under
+   reference, batch-invariant, margin, dvr or fast (speculating at times under the first two), streamed or
+   not; a bad request (malformed JSON, an unknown policy, negative max_tokens, a previous_response_id: each
+   must be a 4xx); or a stream cancelled after a few tokens;
+3. each answer whose report says `guaranteed` is compared with its alone-run: token ids, their count, text,
+   tool calls (streamed: the argument fragments joined), logprobs and finish reason, bitwise (a Response
+   carries no ids or logprobs: its count of output tokens, text, calls and status).
 
-It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal and the server's VmRSS
-(/proc/PID/status; OUT/soak.json, OUT/soak.md): at start; after the alone-runs and `--idle-s` seconds idle (the
-baseline); once idle after the soak and `--idle-s` seconds later (the end: an idle server hands its free heap
-pages back after a second, margingate/server/heap.py, so both ends are measured alike), and every
+It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal (also per shape) and the
+server's VmRSS (/proc/PID/status; OUT/soak.json, OUT/soak.md): at start; after the alone-runs and `--idle-s`
+seconds idle (the baseline); once idle after the soak and `--idle-s` seconds later (the end: an idle server
+hands its free heap pages back after a second, margingate/server/heap.py, so both ends are measured alike), and every
 `--rss-every` seconds throughout (the curve, OUT/rss.png: a plateau or a slope). Exit 1 on a 5xx, a mismatch,
 an unexpected status, a lost answer, or a server not idle once the clients stop.
 """
@@ -52,7 +54,8 @@ POLICIES = {"reference": {"determinism": {"policy": "reference"}},
             "margin": {"determinism": {"policy": "margin"}}, "dvr": {"determinism": {"policy": "dvr"}},
             "fast": {}}  # fast promises nothing: its answers are counted, not checked
 SPECULATING = ("reference", "batch-invariant")  # the deterministic policies that speculate
-SHAPES = ("completion", "chat", "json_schema", "tool_named", "tool_auto")
+SHAPES = ("completion", "chat", "json_schema", "tool_named", "tool_auto", "responses", "responses_tool")
+TEXT_SHAPES = ("completion", "chat", "responses")  # the shapes that speculate at times
 TOPICS = ["rivers", "the moon", "bread", "volcanoes", "owls", "glass", "maps", "bees"]
 CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth", "Tunis"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -63,15 +66,35 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
              "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
 # bad requests: each must be refused with a 4xx, never a 5xx
-BAD = {"malformed_json": b'{"prompt": "x", "max_tokens": ',
-       "unknown_policy": {"prompt": "x", "max_tokens": 4, "determinism": {"policy": "no-such-policy"}},
-       "negative_max_tokens": {"prompt": "x", "max_tokens": -3}}
+BAD = {"malformed_json": ("/v1/completions", b'{"prompt": "x", "max_tokens": '),
+       "unknown_policy": ("/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                              "determinism": {"policy": "no-such-policy"}}),
+       "negative_max_tokens": ("/v1/completions", {"prompt": "x", "max_tokens": -3}),
+       "responses_previous_id": ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"})}
 ACTIONS, WEIGHTS = ("answer", "bad", "cancel"), (0.8, 0.1, 0.1)
 
 
+def responses_request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
+    """A Responses request (its answer carries no logprobs): `input` a string for even k, message items for
+    odd; `responses_tool` with the tools in the Responses form, calling get_weather by name for even k and
+    choosing (`auto`) for odd."""
+    ask = f"Tell me one fact about {TOPICS[k]}." if shape == "responses" else f"What is the weather in {CITIES[k]}?"
+    given = ask if k % 2 == 0 else [{"type": "message", "role": "user",
+                                     "content": [{"type": "input_text", "text": ask}]}]
+    body = {"input": given, "max_output_tokens": max_tokens}
+    if shape == "responses_tool":
+        body.update(tools=RESPONSES_TOOLS,
+                    tool_choice={"type": "function", "name": "get_weather"} if k % 2 == 0 else "auto")
+    return "/v1/responses", body
+
+
 def request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
-    """Request k of `shape`, greedy, with logprobs, without a policy or `stream`: (path, body)."""
+    """Request k of `shape`, greedy, with logprobs where the API has them, without a policy or `stream`:
+    (path, body)."""
+    if shape.startswith("responses"):
+        return responses_request(shape, k, max_tokens)
     if shape == "completion":
         return "/v1/completions", {"prompt": f"Three short facts about {TOPICS[k]}:", "max_tokens": max_tokens,
                                    "logprobs": 2}
@@ -96,6 +119,7 @@ class Soak:
         self.counts: Counter = Counter()
         self.statuses: Counter = Counter()
         self.policies: Counter = Counter()
+        self.by_shape: dict[str, Counter] = {}  # "shape" or "shape stream" -> checked, equal
         self.alone: dict[tuple[str, int], Answer] = {}
         self.problems: list[str] = []
 
@@ -114,7 +138,7 @@ class Soak:
             self.counts["4xx"] += 1
         if a.status == 200:
             self.counts["served"] += 1
-            self.counts["tokens"] += len(a.ids)
+            self.counts["tokens"] += a.tokens
         right = a.status is not None and (400 <= a.status < 500 if refused else a.status == 200)
         if not right:
             self.problem(f"{what}: status {a.status} {a.error or ''}")
@@ -133,7 +157,7 @@ class Soak:
         shape, k, policy = rng.choice(SHAPES), rng.randrange(self.args.pool), rng.choice(list(POLICIES))
         path, body = request(shape, k, self.args.max_tokens)
         body = {**body, **POLICIES[policy]}
-        if policy in SPECULATING and shape in ("completion", "chat") and rng.random() < 0.25:
+        if policy in SPECULATING and shape in TEXT_SHAPES and rng.random() < 0.25:
             body["speculative"] = {"method": "ngram"}
         streamed = rng.random() < 0.5
         a = await (stream(self.client, path, body) if streamed else post(self.client, path, body))
@@ -147,16 +171,18 @@ class Soak:
         elif (a.report or {}).get("guaranteed") != (policy != "fast"):
             self.problem(f"{what}: guaranteed is {(a.report or {}).get('guaranteed')}")
         elif policy != "fast":
-            self.counts["checked"] += 1
             differs = a.differs(self.alone[shape, k])
-            self.counts["equal"] += not differs
+            tally = self.by_shape.setdefault(f"{shape}{' stream' if streamed else ''}", Counter())
+            for counts in (self.counts, tally):
+                counts["checked"] += 1
+                counts["equal"] += not differs
             if differs:
                 self.problem(f"{what}: {differs} differ from its alone-run")
 
     async def bad(self, rng: random.Random) -> None:
         kind = rng.choice(list(BAD))
         self.counts["bad_requests"] += 1
-        self.tally(await post(self.client, "/v1/completions", BAD[kind]), f"bad {kind}", refused=True)
+        self.tally(await post(self.client, *BAD[kind]), f"bad {kind}", refused=True)
 
     async def cancel(self, rng: random.Random) -> None:
         shape, k = rng.choice(SHAPES[:2]), rng.randrange(self.args.pool)
@@ -237,6 +263,7 @@ def summary(soak: Soak, health: dict, wall: float, args) -> dict:
             "alone_mode": "each distinct request once under reference, not streamed, before any other traffic; "
                           "every guaranteed answer (any deterministic policy, streamed or not) compared with it",
             "deterministic_checked": c["checked"], "deterministic_equal": c["equal"],
+            "checked_equal_by_shape": {k: [v["checked"], v["equal"]] for k, v in sorted(soak.by_shape.items())},
             "problems": c["problems"], "problem_examples": soak.problems,
             "health_at_end": {k: health.get(k) for k in ("status", "in_flight", "running", "queued", "kv_blocks_used")},
             "ok": c["5xx"] == 0 and c["problems"] == 0 and c["checked"] == c["equal"] and idle}
@@ -256,6 +283,8 @@ def table(report: dict) -> str:
     lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join([f"`{report['command']}`", "", *lines, "",
                       f"statuses: {report['statuses']}; answers by policy: {report['answers_by_policy']}",
+                      "", "deterministic answers checked / equal to alone, by shape:", "",
+                      *(f"- {k}: {c} / {e}" for k, (c, e) in report["checked_equal_by_shape"].items()), "",
                       *(f"- {p}" for p in report["problem_examples"]), "",
                       f"VmRSS over time (every {report['rss_samples']['every_s']:g} s; rss.png):", "",
                       *curve_table(report["rss_samples"]["samples"])]) + "\n"

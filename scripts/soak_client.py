@@ -1,5 +1,8 @@
 """The soak's HTTP side (scripts/soak.py): one request, streamed or not, read into an `Answer` whose parts
-(token ids, text, tool calls, logprobs, finish reason) are compared with the request's alone-run."""
+(token ids and their count, text, tool calls, logprobs, finish reason) are compared with the request's alone-run.
+Chat and completions answers are read from their choices (whole) or chunks (streamed); a Responses answer from
+its output items (whole) or its events (streamed), which carry no token ids or logprobs: its count of output
+tokens stands in for them."""
 from __future__ import annotations
 
 import json
@@ -7,12 +10,16 @@ from dataclasses import dataclass, field
 
 import httpx
 
+# the events that end a Responses stream, with the final Response in them
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
 
 @dataclass
 class Answer:
     """One response, streamed or not, in one shape: what must equal the alone-run (`key`) and the rest."""
     status: int | None = None
     ids: list = field(default_factory=list)
+    tokens: int = 0
     text: str = ""
     calls: dict = field(default_factory=dict)  # tool call index -> [name, arguments]
     logprobs: list = field(default_factory=list)
@@ -20,27 +27,72 @@ class Answer:
     report: dict | None = None
     done: bool = False
     error: str | None = None
+    items: dict = field(default_factory=dict)  # a streamed Response: a call's item id -> its index in `calls`
+
+    def call(self, index: str, name: str, arguments: str) -> None:
+        """A tool call, or a fragment of one: its name and arguments grow as they come."""
+        entry = self.calls.setdefault(index, ["", ""])
+        entry[0] += name
+        entry[1] += arguments
 
     def add(self, choice: dict, streamed: bool) -> None:
-        """A whole answer's choice, or a stream chunk's."""
+        """A whole chat or completions answer's choice, or a stream chunk's."""
         self.ids += choice.get("token_ids") or []
+        self.tokens = len(self.ids)
         part = choice.get("delta" if streamed else "message") or {}
         self.text += choice.get("text") or part.get("content") or ""
         for i, call in enumerate(part.get("tool_calls") or []):
-            entry = self.calls.setdefault(str(call.get("index", i)), ["", ""])
-            entry[0] += call["function"].get("name") or ""
-            entry[1] += call["function"].get("arguments") or ""
+            self.call(str(call.get("index", i)), call["function"].get("name") or "",
+                      call["function"].get("arguments") or "")
         lp = choice.get("logprobs") or {}
         self.logprobs += lp.get("token_logprobs") or [t["logprob"] for t in lp.get("content") or []]
         self.finish = choice.get("finish_reason") or self.finish
 
+    def add_response(self, response: dict) -> None:
+        """A whole Response: its message text and function calls in output order, its status as the finish
+        reason, its output tokens and report."""
+        for item in response.get("output") or []:
+            if item["type"] == "message":
+                self.text += "".join(part.get("text", "") for part in item["content"])
+            elif item["type"] == "function_call":
+                self.call(str(len(self.calls)), item["name"], item["arguments"])
+        details = response.get("incomplete_details") or {}
+        self.finish = "/".join(filter(None, (response.get("status"), details.get("reason"))))
+        self.tokens = (response.get("usage") or {}).get("output_tokens", 0)
+        self.report = response.get("determinism")
+        self.error = (response.get("error") or {}).get("message") or self.error
+
+    def add_event(self, ev: dict) -> None:
+        """One event of a streamed Response: text and argument deltas build the answer; the last event's
+        Response gives its finish, count and report, and its output must be what the deltas built."""
+        kind = ev.get("type")
+        if kind == "response.output_text.delta":
+            self.text += ev["delta"]
+        elif kind == "response.output_item.added" and ev["item"]["type"] == "function_call":
+            self.items[ev["item"]["id"]] = str(len(self.calls))
+            self.call(self.items[ev["item"]["id"]], ev["item"]["name"], ev["item"].get("arguments") or "")
+        elif kind == "response.function_call_arguments.delta":
+            self.call(self.items[ev["item_id"]], "", ev["delta"])
+        elif kind in RESPONSE_ENDS:
+            whole = Answer()
+            whole.add_response(ev["response"])
+            self.finish, self.tokens, self.report = whole.finish, whole.tokens, whole.report
+            self.error = whole.error or self.error
+            if (whole.text, whole.calls) != (self.text, self.calls):
+                self.error = f"the deltas differ from {kind}'s output"
+            self.done = kind != "response.failed"
+
     def key(self) -> tuple:
-        return self.ids, self.text, self.calls, self.logprobs, self.finish
+        return self.ids, self.tokens, self.text, self.calls, self.logprobs, self.finish
 
     def differs(self, other: Answer) -> str:
         """The parts of `key` where the two answers differ."""
-        names = ("ids", "text", "tool calls", "logprobs", "finish reason")
+        names = ("ids", "token count", "text", "tool calls", "logprobs", "finish reason")
         return ", ".join(n for n, a, b in zip(names, self.key(), other.key()) if a != b)
+
+
+def is_responses(path: str) -> bool:
+    return path.endswith("/responses")
 
 
 async def post(client: httpx.AsyncClient, path: str, body: dict | bytes) -> Answer:
@@ -54,14 +106,26 @@ async def post(client: httpx.AsyncClient, path: str, body: dict | bytes) -> Answ
     a.status = r.status_code
     if r.status_code == 200:
         data = r.json()
-        a.add(data["choices"][0], streamed=False)
-        a.report, a.done = data.get("determinism"), True
+        if is_responses(path):
+            a.add_response(data)
+        else:
+            a.add(data["choices"][0], streamed=False)
+            a.report = data.get("determinism")
+        a.done = True
     return a
+
+
+def read_chunk(a: Answer, ev: dict) -> None:
+    """One chat or completions chunk."""
+    a.error = ev["error"].get("message") if "error" in ev else a.error
+    for c in ev.get("choices", []):
+        a.add(c, streamed=True)
+    a.report = ev.get("determinism") or a.report
 
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict, cancel_after: int | None = None) -> Answer:
     """A streamed request; with `cancel_after`, the connection is closed once that many tokens came."""
-    a = Answer()
+    a, read = Answer(), (Answer.add_event if is_responses(path) else read_chunk)
     try:
         async with client.stream("POST", path, json={**body, "stream": True}) as r:
             a.status = r.status_code
@@ -74,11 +138,7 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, cancel_after:
                 if line == "data: [DONE]":
                     a.done = True
                     break
-                ev = json.loads(line[6:])
-                a.error = ev["error"].get("message") if "error" in ev else a.error
-                for c in ev.get("choices", []):
-                    a.add(c, streamed=True)
-                a.report = ev.get("determinism") or a.report
+                read(a, json.loads(line[6:]))
                 if cancel_after is not None and len(a.ids) >= cancel_after:
                     return a  # leaving the block closes the connection: the server must free the slot
     except httpx.HTTPError as exc:
