@@ -3,7 +3,9 @@ dependency), on the embedded model: served as a chat completion, so each answer 
 the same conversation (system, text, a tool_use and its tool_result sent back); a forced tool is a `tool_use`
 block whose input has the schema's properties; streamed, the events come in Anthropic's order and their text
 and `input_json_delta` fragments are the whole answer's, bitwise, under every deterministic policy; refusals
-name the Messages field; Anthropic's `x-api-key` header is an API key."""
+name the Messages field, and every error on the route is Anthropic's body (`{"type": "error", "error": {"type",
+"message"}}`) with the status the other routes answer, which keep OpenAI's; Anthropic's `x-api-key` header is an
+API key."""
 from __future__ import annotations
 
 import json
@@ -139,6 +141,8 @@ def test_bad_requests_name_the_messages_field(http, extra, param):
     r = http.post("/v1/messages", json={k: v for k, v in body.items() if v is not None})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert set(r.json()) == {"type", "error"} and r.json()["error"]["message"]
 
 
 def test_anthropics_api_key_header_is_a_key(llm):
@@ -149,8 +153,44 @@ def test_anthropics_api_key_header_is_a_key(llm):
         body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(base_url=srv.url, timeout=120) as h:
             assert h.post("/v1/messages", json=body).status_code == 401
+            refused = h.post("/v1/messages", json=body).json()
+            assert refused == {"type": "error", "error": {"type": "authentication_error", "message": refused["error"][
+                "message"]}} and refused["error"]["message"].startswith("missing or invalid API key")
+            assert "type" not in h.post("/v1/chat/completions", json=body).json()  # OpenAI's shape there
             assert h.post("/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
             assert h.post("/v1/messages", json=body, headers={"x-api-key": "sesame"}).status_code == 200
             assert h.post("/v1/messages", json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
     finally:
         srv.stop()
+
+
+def test_errors_on_the_messages_route_are_anthropics_and_other_routes_keep_openais(http):
+    """The error body each API's clients read: the engine's refusal of a prompt too long, a method the route has
+    not, a body that is not JSON; the same refusal on chat completions in OpenAI's shape."""
+    long = [{"role": "user", "content": "word " * 600}]  # past the test server's 512 positions
+    cases = [(http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": long}), 400,
+              "invalid_request_error"),
+             (http.get("/v1/messages"), 405, "invalid_request_error"),
+             (http.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"}), 400,
+              "invalid_request_error")]
+    for r, status, kind in cases:
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 8, "messages": long})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(r.json()["error"]) and r.json()["error"]["type"] == \
+        "invalid_request_error"
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
+                                          (404, "not_found_error"), (413, "request_too_large"),
+                                          (422, "invalid_request_error"), (429, "rate_limit_error"),
+                                          (500, "api_error"), (503, "overloaded_error")])
+def test_each_status_has_anthropics_error_type(status, kind):
+    from margingate.server.errors import route_error
+
+    r = route_error("/v1/messages", status, "why", headers={"Retry-After": "1"})
+    assert r.status_code == status and r.headers["retry-after"] == "1"
+    assert json.loads(r.body) == {"type": "error", "error": {"type": kind, "message": "why"}}
+    assert json.loads(route_error("/v1/chat/completions", status, "why").body)["error"]["message"] == "why"

@@ -24,6 +24,10 @@ ANSWERS = [
     '{"zone": "CET"} is not a call',
     'Code:\n```python\nprint("<tool_call>")\n```\nand <b>bold</b> text ``` here',
     '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call> after',                # not offered
+    # Qwen2.5-Coder-0.5B's own answers: its fenced call, and after a tool's result its call then the result
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    '{"name": "get_weather", "arguments": {"city": "London"}}\n{"forecast": "rain"}',
+    'Checking.\n```\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',                     # no json tag
 ]
 
 
@@ -54,6 +58,15 @@ def test_every_split_of_an_answer_gives_the_whole_answer(text):
     for cuts in splits:
         assert parsed(text, cuts)[1:] == whole, cuts
     assert parsed(text, [1] + list(range(2, len(text))))[1:] == whole  # one character at a time
+
+
+def test_a_fenced_or_bare_call_is_one_call_and_what_follows_a_bare_one_is_text():
+    """The shapes a small model writes outside its template's blocks: a fence's call keeps its arguments as
+    written (its spacing); a bare call followed by more (a model echoing its call, then the tool's result)
+    is no call, so an agent loop ends on that text instead of calling again."""
+    assert parsed(ANSWERS[9])[1:] == ("", [("get_weather", '{\n    "city": "Paris"\n  }')])
+    assert parsed(ANSWERS[10])[1:] == (ANSWERS[10], [])
+    assert parsed(ANSWERS[11])[1:] == ("Checking.", [("get_time", '{"zone": "UTC"}')])
 
 
 def test_a_call_streams_its_name_then_its_arguments_before_the_block_closes():

@@ -207,3 +207,24 @@ def test_a_call_written_as_a_fenced_json_object_is_a_call():
     two = fenced + '\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
     content, calls = parse(two, one, "auto")
     assert len(calls) == 1 and content.endswith('{"name": "get_time", "arguments": {"zone": "UTC"}}\n```')
+
+
+def test_a_forced_call_names_the_markers_a_tokenizer_has_as_one_token(model_dir):
+    """Qwen's tokenizers have `<tool_call>` and `</tool_call>` as added tokens, which the model writes and
+    llguidance reads as special: its mask offers the token where the grammar spells the text, then refuses
+    it, and a forced call ended after `<tool_call>`. Here the embedded tokenizer with the two added."""
+    from transformers import AutoTokenizer
+
+    from margingate.engine.structured import Grammars
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    hf.add_tokens([tool_format.OPEN, tool_format.CLOSE])
+    grammars = Grammars(hf, len(hf))
+    assert grammars.is_special(tool_format.OPEN) and not grammars.is_special("get_weather")
+    params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    ids = hf.encode(tool_format.block("get_weather", {"city": "Paris"}), add_special_tokens=False)
+    assert hf.convert_ids_to_tokens([ids[0], ids[-1]]) == [tool_format.OPEN, tool_format.CLOSE]
+    named = grammars.matcher(constraint(params, "required", "hermes", grammars)).ll
+    assert all(named.consume_token(t) for t in ids) and named.is_accepting()
+    spelled = grammars.matcher(constraint(params, "required", "hermes")).ll
+    assert not spelled.consume_token(ids[0])  # the failure: spelled, the marker's own token is refused

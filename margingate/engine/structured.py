@@ -45,6 +45,7 @@ class Grammars:
         self.hf_tokenizer, self.vocab_size, self.cache_size = hf_tokenizer, vocab_size, cache_size
         self._tokenizer = None
         self._compiled: dict[tuple[str, str], str] = {}
+        self._special: dict[str, bool] = {}
         # The server's request threads compile while the engine thread reads: the cache and the tokenizer's
         # one-time build are guarded (two evictions at once were a KeyError, a 500: issue 47). Compiling
         # itself runs outside the lock: it is a pure function of the constraint.
@@ -58,6 +59,17 @@ class Grammars:
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
             return self._tokenizer
+
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one token that llguidance reads as a special token (an added token, such as Qwen's
+        `<tool_call>`): a grammar must name it (`<tool_call>` in Lark, unquoted), since llguidance refuses that
+        token where the grammar spells the text, though its mask offers it."""
+        tokenizer = self.tokenizer
+        with self._lock:
+            if text not in self._special:
+                ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
+                self._special[text] = len(ids) == 1 and tokenizer.is_special_token(ids[0])
+            return self._special[text]
 
     def compile(self, constraint: StructuredOutput) -> str:
         """llguidance's grammar for the constraint, checked; raises StructuredError naming its field."""

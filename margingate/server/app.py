@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.engine import Engine
 from ..serving_context import ServingContext
 from .config import ServerConfig
-from .errors import json_error
+from .errors import route_error
 from .guard import Guard
 from .routes import router
 from .sdk_fields import IGNORED_HEADER
@@ -57,14 +57,14 @@ async def lifespan(app: FastAPI):
         await run_in_threadpool(state.worker.shutdown, state.config.shutdown_grace_s)
 
 
-async def http_error(_req, exc: StarletteHTTPException):
-    return json_error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
-                      headers=getattr(exc, "headers", None))
+async def http_error(req, exc: StarletteHTTPException):
+    return route_error(req.url.path, exc.status_code, str(exc.detail),
+                       code="not_found" if exc.status_code == 404 else None, headers=getattr(exc, "headers", None))
 
 
-async def internal_error(_req, exc: Exception):
+async def internal_error(req, exc: Exception):
     log.exception("unhandled error")
-    return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+    return route_error(req.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def create_app(served, config: ServerConfig | None = None, *, engine: Engine | None = None, **settings) -> FastAPI:

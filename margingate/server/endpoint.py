@@ -12,7 +12,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from . import sdk_fields
-from .errors import QueueFull, ShuttingDown, json_error
+from .errors import QueueFull, ShuttingDown, route_error
 from .events import Handle, Outcome
 from .jobs import Choice, Job, abort_all, complete, completion_body, next_event
 from .parsing import build_job, read_params
@@ -79,8 +79,8 @@ class Endpoint:
             job = await self.parse(state, req)
         except BadRequest as exc:
             state.metrics.inc("requests_rejected_total", reason="invalid" if exc.status < 500 else "error")
-            return json_error(exc.status, exc.message, param=exc.param, code=exc.code)
-        handles = submit(state, job)
+            return route_error(req.url.path, exc.status, exc.message, param=exc.param, code=exc.code)
+        handles = submit(state, job, req.url.path)
         response = handles if isinstance(handles, Response) else await self.answer(state, job, handles, req)
         if job.ignored:  # said, not refused: the client learns what had no effect
             log.info("%s: ignored unknown fields: %s", job.id, ", ".join(job.ignored))
@@ -95,8 +95,8 @@ class Endpoint:
             for handle in handles:
                 event = await next_event(handle)  # "accepted", or the engine refused it
                 if event.kind == "error":
-                    return json_error(event.status, event.message, param=self.prompt_param,
-                                      code="engine_error" if event.status >= 500 else "invalid_request")
+                    return route_error(req.url.path, event.status, event.message, param=self.prompt_param,
+                                       code="engine_error" if event.status >= 500 else "invalid_request")
             handed_over = True
             if job.params.streaming:
                 return EventStream(state.worker, handles, self.stream(state, job, handles))
@@ -106,8 +106,9 @@ class Endpoint:
                 abort_all(state, handles, "disconnect")
 
 
-def submit(state: ServerState, job: Job) -> list[Handle] | Response:
-    """Every choice handed to the engine thread, or the 429 / 503 that refuses the request (none runs)."""
+def submit(state: ServerState, job: Job, path: str) -> list[Handle] | Response:
+    """Every choice handed to the engine thread, or the 429 / 503 that refuses the request (none runs), in the
+    shape of the API `path` serves."""
     retry = {"Retry-After": str(state.config.retry_after_s)}
     handles: list[Handle] = []
     try:
@@ -117,8 +118,8 @@ def submit(state: ServerState, job: Job) -> list[Handle] | Response:
     except QueueFull as exc:
         abort_all(state, handles, "aborted")
         state.metrics.inc("requests_rejected_total", reason="queue_full")
-        return json_error(429, f"server busy: {exc}; retry later", code="queue_full", headers=retry)
+        return route_error(path, 429, f"server busy: {exc}; retry later", code="queue_full", headers=retry)
     except ShuttingDown as exc:
         abort_all(state, handles, "aborted")
         state.metrics.inc("requests_rejected_total", reason="unavailable")
-        return json_error(503, str(exc), code="unavailable", headers=retry)
+        return route_error(path, 503, str(exc), code="unavailable", headers=retry)

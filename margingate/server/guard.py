@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hmac
 
-from .errors import json_error
+from .errors import route_error
 from .state import ServerState
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
@@ -42,7 +42,7 @@ class Guard:
                 headers = dict(scope.get("headers") or [])
                 if not (hmac.compare_digest(headers.get(b"authorization", b""), self._expected)
                         or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)):
-                    response = json_error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    response = route_error(path, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                     return await response(scope, receive, send_wrapper)
             await self.app(scope, receive, send_wrapper)

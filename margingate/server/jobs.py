@@ -16,7 +16,7 @@ from ..engine import Request, Result
 from ..engine.policy import Policy
 from . import tools
 from .answer import Answer
-from .errors import RequestFailed, json_error
+from .errors import RequestFailed, route_error
 from .events import Event, Handle, Outcome
 from .protocol import finite
 from .reasoning import Reasoning, ReasoningParser
@@ -203,5 +203,5 @@ async def complete(state: ServerState, job: Job, handles: list[Handle], req: HTT
         outcomes = task.result()
     except RequestFailed as exc:
         abort_all(state, handles, "aborted")
-        return json_error(exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
+        return route_error(req.url.path, exc.status, exc.message, code="engine_error" if exc.status >= 500 else None)
     return JSONResponse(render(state, job, outcomes))

@@ -8,8 +8,9 @@ Streamed, the events Anthropic's SDKs read, each an SSE `event:` line and its da
 content_block_start, content_block_delta... (text_delta, thinking_delta, input_json_delta: a call's arguments
 in fragments as they are released) and content_block_stop, then message_delta (the stop reason, the output
 tokens) and message_stop; an engine failure is an `error` event. Blocks follow each other, as Anthropic's do,
-and the stream's blocks are the whole answer's, bitwise, under a deterministic policy. Refusals keep the
-server's error shape (OpenAI's), naming the Messages field.
+and the stream's blocks are the whole answer's, bitwise, under a deterministic policy. Errors on this route are
+Anthropic's body (`errors.anthropic_error`: invalid_request_error, authentication_error, rate_limit_error, ...,
+with the status the other routes answer); a refusal names the Messages field.
 """
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def output_constraint(state: ServerState, params, tool_mode: str):
     """The body's constraint (`response_format`, vLLM's fields) or its tools' (the calls' format),
     compiled. With `auto` the body's wins (the answer is then held to it, not to calls); with calls
     forced, both at once is a 400."""
-    by_tools = tools.constraint(params, tool_mode, state.tool_format)
+    by_tools = tools.constraint(params, tool_mode, state.tool_format, state.context.grammars)
     structured = compiled(state.context.grammars, params)
     if by_tools is not None and structured is not None:
         if tool_mode == "auto":

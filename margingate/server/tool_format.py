@@ -52,13 +52,15 @@ def call_schema(tools) -> dict:
     return {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
-def grammar(tools, max_calls: int, text: bool) -> str:
+def grammar(tools, max_calls: int, text: bool, tokens: frozenset[str] = frozenset()) -> str:
     """Lark for 1..max_calls calls of `tools`, one per line; with `text`, plain text instead is allowed
-    too, but an answer that opens a call is held to the format from its first character."""
+    too, but an answer that opens a call is held to the format from its first character. `tokens`: the
+    markers the tokenizer has as one special token (Qwen's), named as that token rather than spelled."""
     more = f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+    marks = [mark if mark in tokens else json.dumps(mark) for mark in (OPEN, CLOSE)]
     lines = [f"start: {'TEXT | ' if text else ''}calls",
              f"calls: call{more}",
-             f'call: "{OPEN}" "\\n" body "\\n" "{CLOSE}"',
+             f'call: {marks[0]} "\\n" body "\\n" {marks[1]}',
              f"body: %json {json.dumps(call_schema(tools))}"]
     if text:  # anything that does not open with a call (after whitespace)
         lines.append(r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*<tool_call>.*)/")

@@ -72,11 +72,15 @@ def max_calls(params, tool_mode: str) -> int:
     return 1 if tool_mode == "named" or params.parallel_tool_calls is False else len(params.tools)
 
 
-def constraint(params, tool_mode: str, tool_format_name: str | None) -> StructuredOutput | None:
-    """The grammar that holds the answer to the calls' format (None: unconstrained)."""
+def constraint(params, tool_mode: str, tool_format_name: str | None, grammars=None) -> StructuredOutput | None:
+    """The grammar that holds the answer to the calls' format (None: unconstrained); `grammars` (the model's
+    `engine.structured.Grammars`) says which markers its tokenizer has as one special token."""
     if tool_mode == "none" or (tool_mode == "auto" and tool_format_name is not None):
         return None
-    grammar = tool_format.grammar(offered(params, tool_mode), max_calls(params, tool_mode), text=tool_mode == "auto")
+    marks = (tool_format.OPEN, tool_format.CLOSE)
+    tokens = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
+    grammar = tool_format.grammar(offered(params, tool_mode), max_calls(params, tool_mode), text=tool_mode == "auto",
+                                  tokens=tokens)
     return StructuredOutput(grammar=grammar)
 
 
