@@ -67,6 +67,23 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def agents_against(url: str):
+    """openai-agents' module, its default client pointed at `url` (a server's) over the Responses API, tracing
+    off; a generator for a fixture: the default client is put back after the test."""
+    import openai
+
+    agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
+    from agents.models import _openai_shared
+
+    before = _openai_shared.get_default_openai_client()
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0),
+                                     use_for_tracing=False)
+    agents.set_default_openai_api("responses")
+    yield agents
+    _openai_shared.set_default_openai_client(before)
+
+
 def weather_agent(agents, model, answer: str = "sunny, 21 degrees", **behaviour):
     """openai-agents' `agents` module, a weather tool answering `answer`, and a factory of agents over `model`
     (a name, or a model object) that use it: (the cities asked so far, agent(**model settings))."""

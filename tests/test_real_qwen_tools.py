@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import TIMEOUT, make_server  # noqa: E402
+from server_fixtures import TIMEOUT, agents_against, make_server  # noqa: E402
 
 NAME = "qwen2.5-coder-0.5b"
 BI = {"determinism": {"policy": "batch-invariant"}}
@@ -100,16 +100,7 @@ def test_langchain_with_structured_output(served):
 
 @pytest.fixture
 def agents(served):
-    agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
-    from agents.models import _openai_shared
-
-    before = _openai_shared.get_default_openai_client()
-    agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{served[0].url}/v1", api_key="unused",
-                                                        max_retries=0), use_for_tracing=False)
-    agents.set_default_openai_api("responses")
-    yield agents
-    _openai_shared.set_default_openai_client(before)
+    yield from agents_against(served[0].url)
 
 
 def test_an_openai_agents_agent_runs_a_tool_loop_over_responses(agents):

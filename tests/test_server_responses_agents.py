@@ -13,7 +13,7 @@ from pydantic import BaseModel
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from server_fixtures import MODEL, weather_agent  # noqa: E402
+from server_fixtures import MODEL, agents_against, weather_agent  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}}
 
@@ -24,16 +24,7 @@ class Colour(BaseModel):
 
 @pytest.fixture
 def agents(server):
-    agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
-    from agents.models import _openai_shared
-
-    before = _openai_shared.get_default_openai_client()
-    agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
-                                                        max_retries=0), use_for_tracing=False)
-    agents.set_default_openai_api("responses")
-    yield agents
-    _openai_shared.set_default_openai_client(before)
+    yield from agents_against(server.url)
 
 
 def test_an_agent_with_a_function_tool_runs_over_responses(agents):
