@@ -74,6 +74,8 @@ else
 fi
 MG="$VENV/bin/margingate"
 COMMON=(--device "$DEVICE" --kernels triton)
+# the dry run pads and records its forwards as the GPU's CUDA graphs do, run eagerly (engine/step_graphs.py)
+[ "$DEVICE" = cpu ] && COMMON+=(--step-graphs stand-in)
 mkdir -p "$OUT"
 
 for model in "${MODELS[@]}"; do

@@ -285,3 +285,26 @@ def test_bytes_per_block_counts_codes_and_scales():
     """A block's K and V bytes, every layer: bf16 values, or int8 codes plus one fp32 scale per head and row."""
     assert KVPool(3, 2, 4, 2, 8).bytes_per_block == 2 * 3 * 2 * 4 * 8 * 2
     assert KVPool(3, 2, 4, 2, 8, dtype="int8").bytes_per_block == 2 * 3 * 2 * 4 * (8 + 4)
+
+
+def test_free_blocks_hand_their_pages_back_and_held_blocks_keep_their_bytes():
+    """An idle pool's free blocks give their whole pages back (they then read zeros, which `allocate` would
+    write anyway); a held block, and the pages it shares with free neighbours, keep every byte."""
+    from margingate.models.kv_cache import KVPool, release_pages
+
+    pool = KVPool(2, 64, 16, 2, 64)  # 4 KiB of K per block and layer: one page each on x86-64
+    for t in pool.tensors()[:2]:
+        t.fill_(1.0)
+    held = [pool.allocate() for _ in range(3)]
+    for t in pool.tensors()[:2]:
+        for block in held:
+            t[:, block] = 7.0
+    released = pool.release_free_pages()
+    if released == 0:
+        assert release_pages(pool.k.data_ptr(), pool.k.numel() * 2) == 0  # no madvise here: nothing to show
+        return
+    free = [b for b in range(64) if b not in held]
+    assert released >= 2 * 2 * (len(free) - 2) * pool.k[0, 0].numel() * 2  # all but the pages at a run's ends
+    for t in pool.tensors()[:2]:
+        assert bool((t[:, held] == 7.0).all())
+        assert int((t[:, free] == 0).sum()) >= 0.9 * t[:, free].numel()

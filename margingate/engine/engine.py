@@ -95,6 +95,10 @@ class Engine:
         used = self.kv.num_blocks - free - cached - 1  # the runner's sink block
         return Load(len(s.waiting), len(s.running), used, free, cached, s.preemptions)
 
+    def release_idle_memory(self) -> int:
+        """Idle: the KV pool's free blocks give their pages back (models/kv_cache.py); the bytes released."""
+        return self.kv.release_free_pages()
+
     def running_ids(self) -> list[str]:
         return [seq.request_id for seq in self.scheduler.running]
 

@@ -14,6 +14,10 @@ attention only looks at positions below a row's length.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +27,30 @@ from ..kernels import invariant
 
 Column = tuple[torch.Tensor, torch.Tensor]  # one position's K and V, every layer: [layers, kv_heads, head_dim]
 KV_DTYPES = ("bfloat16", "int8", "float32")  # float32: tests against fp32 oracles
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None where there is none (then nothing is handed back)."""
+    try:
+        fn = ctypes.CDLL(None).madvise
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+MADV_DONTNEED = 4  # Linux: the pages are dropped; the next read of them finds zeros
+PAGE = mmap.PAGESIZE
+
+
+def release_pages(addr: int, length: int) -> int:
+    """Drop the whole pages inside [addr, addr + length); the bytes dropped (0 where madvise is missing)."""
+    start, end = -(-addr // PAGE) * PAGE, (addr + length) // PAGE * PAGE
+    fn = _madvise()
+    if fn is None or end <= start or sys.platform != "linux":
+        return 0
+    return end - start if fn(start, end - start, MADV_DONTNEED) == 0 else 0
 
 
 class PoolExhausted(RuntimeError):
@@ -103,6 +131,26 @@ class KVPool:
         for t in self._per_block():
             t[:, block].zero_()
         return block
+
+    def release_free_pages(self) -> int:
+        """Hand back to the system the memory pages lying wholly inside free blocks (an idle server, on its engine
+        thread: no forward runs meanwhile). `allocate` zeroes a block when it hands it out, so what such a page
+        reads afterwards is never seen. A CPU pool only; the bytes advised away."""
+        if self.k.device.type != "cpu" or not self._free:
+            return 0
+        free, runs = sorted(self._free), []
+        for b in free:  # runs of consecutive free blocks [a, b)
+            if runs and runs[-1][1] == b:
+                runs[-1][1] = b + 1
+            else:
+                runs.append([b, b + 1])
+        released = 0
+        for t in self._per_block():  # [layers, blocks, ...]: each layer's blocks are one slab
+            block = t[0, 0].numel() * t.element_size()
+            for layer in range(t.shape[0]):
+                base = t[layer].data_ptr()
+                released += sum(release_pages(base + a * block, (b - a) * block) for a, b in runs)
+        return released
 
     def _per_block(self) -> tuple[torch.Tensor, ...]:
         return (self.k, self.v, self.k_scale, self.v_scale) if self.int8 else (self.k, self.v)

@@ -56,8 +56,9 @@ class IdleTrim:
     """Calls `trim` once the engine has been idle `after_s` seconds, once per idle spell (only if it worked
     since the last trim). `after_s` 0 or None: never."""
 
-    def __init__(self, after_s: float | None, clock=time.monotonic):
-        self.after_s, self.clock = after_s, clock
+    def __init__(self, after_s: float | None, clock=time.monotonic, also=None):
+        """`also`: called at each trim too, returning the bytes it released (the KV pool's free pages)."""
+        self.after_s, self.clock, self.also = after_s, clock, also
         self.trims, self.released = 0, 0   # how many trims ran, the resident bytes they gave back
         self._idle_since: float | None = None
         self._worked = False
@@ -80,7 +81,7 @@ class IdleTrim:
         if now - self._idle_since < self.after_s:
             return None
         self._worked = False
-        released = trim() or 0
+        released = (trim() or 0) + (self.also() if self.also is not None else 0)
         self.trims += 1
         self.released += released
         return released

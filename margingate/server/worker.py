@@ -43,7 +43,8 @@ class EngineWorker:
         self.max_queue = max_queue
         self.capacity = engine.config.max_num_seqs + max_queue  # running + waiting
         self.idle_poll_s = idle_poll_s
-        self.heap = IdleTrim(heap_trim_idle_s)  # the C heap's free pages go back once idle (heap.py)
+        # once idle, the C heap's free pages go back (heap.py), and the pages of the KV pool's free blocks
+        self.heap = IdleTrim(heap_trim_idle_s, also=engine.release_idle_memory)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0                 # submitted and not yet closed (guarded by _lock)
