@@ -16,7 +16,7 @@ Starts `margingate serve` on loopback (or uses `--url`; give `--pid` for its mem
    must be a 4xx); or a stream cancelled after a few tokens;
 3. each answer whose report says `guaranteed` is compared with its alone-run: token ids, their count, text,
    tool calls (streamed: the argument fragments joined), logprobs and finish reason, bitwise (a Response
-   carries no ids or logprobs: its count of output tokens, text, calls and status).
+   carries no ids: its count of output tokens, text, its text's logprobs, calls and status).
 
 It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal (also per shape) and the
 server's VmRSS (/proc/PID/status; OUT/soak.json, OUT/soak.md): at start; after the alone-runs and `--idle-s`
@@ -77,13 +77,14 @@ ACTIONS, WEIGHTS = ("answer", "bad", "cancel"), (0.8, 0.1, 0.1)
 
 
 def responses_request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
-    """A Responses request (its answer carries no logprobs): `input` a string for even k, message items for
-    odd; `responses_tool` with the tools in the Responses form, calling get_weather by name for even k and
+    """A Responses request, its text's logprobs asked for as chat's are: `input` a string for even k, message
+    items for odd; `responses_tool` with the tools in the Responses form, calling get_weather by name for even k and
     choosing (`auto`) for odd."""
     ask = f"Tell me one fact about {TOPICS[k]}." if shape == "responses" else f"What is the weather in {CITIES[k]}?"
     given = ask if k % 2 == 0 else [{"type": "message", "role": "user",
                                      "content": [{"type": "input_text", "text": ask}]}]
-    body = {"input": given, "max_output_tokens": max_tokens}
+    body = {"input": given, "max_output_tokens": max_tokens, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
     if shape == "responses_tool":
         body.update(tools=RESPONSES_TOOLS,
                     tool_choice={"type": "function", "name": "get_weather"} if k % 2 == 0 else "auto")

@@ -1,8 +1,8 @@
 """The soak's HTTP side (scripts/soak.py): one request, streamed or not, read into an `Answer` whose parts
 (token ids and their count, text, tool calls, logprobs, finish reason) are compared with the request's alone-run.
 Chat and completions answers are read from their choices (whole) or chunks (streamed); a Responses answer from
-its output items (whole) or its events (streamed), which carry no token ids or logprobs: its count of output
-tokens stands in for them."""
+its output items (whole) or its events (streamed), with its text's logprobs where asked for; it carries no token
+ids: its count of output tokens stands in for them."""
 from __future__ import annotations
 
 import json
@@ -45,15 +45,16 @@ class Answer:
             self.call(str(call.get("index", i)), call["function"].get("name") or "",
                       call["function"].get("arguments") or "")
         lp = choice.get("logprobs") or {}
-        self.logprobs += lp.get("token_logprobs") or [t["logprob"] for t in lp.get("content") or []]
+        self.logprobs += lp.get("token_logprobs") or logprob_values(lp.get("content"))
         self.finish = choice.get("finish_reason") or self.finish
 
     def add_response(self, response: dict) -> None:
-        """A whole Response: its message text and function calls in output order, its status as the finish
-        reason, its output tokens and report."""
+        """A whole Response: its message text (and its logprobs) and function calls in output order, its status as
+        the finish reason, its output tokens and report."""
         for item in response.get("output") or []:
             if item["type"] == "message":
                 self.text += "".join(part.get("text", "") for part in item["content"])
+                self.logprobs += [x for part in item["content"] for x in logprob_values(part.get("logprobs"))]
             elif item["type"] == "function_call":
                 self.call(str(len(self.calls)), item["name"], item["arguments"])
         details = response.get("incomplete_details") or {}
@@ -63,11 +64,12 @@ class Answer:
         self.error = (response.get("error") or {}).get("message") or self.error
 
     def add_event(self, ev: dict) -> None:
-        """One event of a streamed Response: text and argument deltas build the answer; the last event's
-        Response gives its finish, count and report, and its output must be what the deltas built."""
+        """One event of a streamed Response: text (with its logprobs) and argument deltas build the answer; the
+        last event's Response gives its finish, count and report, and its output must be what the deltas built."""
         kind = ev.get("type")
         if kind == "response.output_text.delta":
             self.text += ev["delta"]
+            self.logprobs += logprob_values(ev.get("logprobs"))
         elif kind == "response.output_item.added" and ev["item"]["type"] == "function_call":
             self.items[ev["item"]["id"]] = str(len(self.calls))
             self.call(self.items[ev["item"]["id"]], ev["item"]["name"], ev["item"].get("arguments") or "")
@@ -78,7 +80,7 @@ class Answer:
             whole.add_response(ev["response"])
             self.finish, self.tokens, self.report = whole.finish, whole.tokens, whole.report
             self.error = whole.error or self.error
-            if (whole.text, whole.calls) != (self.text, self.calls):
+            if (whole.text, whole.calls, whole.logprobs) != (self.text, self.calls, self.logprobs):
                 self.error = f"the deltas differ from {kind}'s output"
             self.done = kind != "response.failed"
 
@@ -89,6 +91,11 @@ class Answer:
         """The parts of `key` where the two answers differ."""
         names = ("ids", "token count", "text", "tool calls", "logprobs", "finish reason")
         return ", ".join(n for n, a, b in zip(names, self.key(), other.key()) if a != b)
+
+
+def logprob_values(entries: list[dict] | None) -> list[float]:
+    """The logprobs of chat's `content` entries, or of a Responses text's (the same shape)."""
+    return [t["logprob"] for t in entries or []]
 
 
 def is_responses(path: str) -> bool:

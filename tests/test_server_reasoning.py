@@ -285,3 +285,20 @@ def test_responses_carry_a_reasoning_item_whole_and_streamed(r1):
                                                        item.model_dump(exclude_none=True),
                                                        {"role": "user", "content": "Why?"}]})
     assert again.status in ("completed", "incomplete")  # a reasoning item sent back is accepted
+
+
+def test_responses_logprobs_leave_the_reasoning_out(r1):
+    """The output text's logprobs are its tokens', not the reasoning's: the random model never closes its
+    reasoning, so chat gives every token's logprobs and the Responses text none, whole and streamed."""
+    srv, client = r1
+    kw = dict(model=client.model_name, input="Is the sky blue?", max_output_tokens=12, top_logprobs=1,
+              include=["message.output_text.logprobs"], extra_body={"determinism": {"policy": "batch-invariant"}})
+    whole = client.responses.create(**kw)
+    [message] = [i for i in whole.output if i.type == "message"]
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens
+    assert message.content[0].logprobs == []
+    chat = create(client, max_tokens=12, logprobs=True, top_logprobs=1).choices[0]
+    assert len(chat.logprobs.content) == whole.usage.output_tokens
+    events = list(client.responses.create(**kw, stream=True))
+    assert all(e.logprobs == [] for e in events if e.type in ("response.output_text.delta",
+                                                              "response.output_text.done"))

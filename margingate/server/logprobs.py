@@ -1,5 +1,6 @@
 """Logprobs in OpenAI's response shapes: the legacy completions object (tokens, token_logprobs,
-top_logprobs, text_offset) and chat's `content` list (token, logprob, bytes, top_logprobs).
+top_logprobs, text_offset) and chat's `content` list (token, logprob, bytes, top_logprobs), which is also the
+Responses API's output_text `logprobs`.
 
 The numbers are the engine's `TokenLogprob`s unchanged: fp32 values printed as the shortest
 repr of their double, so equal bits give equal JSON."""
@@ -46,8 +47,12 @@ class LogprobFormatter:
         return top
 
     def chat(self, entries: list[TokenLogprob]) -> dict:
-        return {"content": [{**self._token(e.token, e.logprob),
-                             "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries]}
+        return {"content": self.tokens(entries)}
+
+    def tokens(self, entries: list[TokenLogprob]) -> list[dict]:
+        """One entry per token: token, logprob, bytes, top_logprobs (chat's `content`, Responses' `logprobs`)."""
+        return [{**self._token(e.token, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                for e in entries]
 
     def _token(self, token: int, logprob: float) -> dict:
         return {"token": self.text(token), "logprob": logprob, "bytes": self.bytes(token)}

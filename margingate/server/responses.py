@@ -3,7 +3,9 @@ runs the chat path unchanged (template, tools, grammar, policy); its one choice 
 object: `output` items (a `reasoning` item where the model reasoned, an assistant `message` with its `output_text`, a
 `function_call` per tool call, in the order written),
 `status` (`incomplete` where max_output_tokens cut it), `usage` in the Responses' names, and the `determinism`
-report as on the other routes.
+report as on the other routes. Asked for (`top_logprobs`, or `include` naming them), the output_text carries
+the logprobs of the answer's tokens after its reasoning (a call's tokens among them, as written), in chat's
+entries (`logprobs.py`); else `[]`.
 
 Streamed, the events are the ones the openai SDK's `responses.stream()` accumulates, each with its `type` and
 `sequence_number`: response.created, response.in_progress, per item response.output_item.added, (a reasoning
@@ -13,7 +15,9 @@ response.content_part.done, (a call) response.function_call_arguments.delta / .d
 and last response.completed (response.incomplete; response.failed if the engine fails the request). Items go
 out as the engine releases their tokens: the message at its first text, a call when its name is read, then
 its arguments in fragments (`call_parser.py`); every item is closed at the end, in output order. The streamed
-answer is the whole one's: a strict policy releases verified tokens only (`streaming.py`).
+answer is the whole one's: a strict policy releases verified tokens only (`streaming.py`). A text delta carries
+the logprobs of the tokens released since the last one (what the parser held goes with the text it frees), the
+rest goes in a last empty delta, so the deltas' logprobs joined are the whole text's.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from .chat import ChatEndpoint
 from .errors import RequestFailed
 from .events import Handle, Outcome
 from .jobs import Job, abort_all, determinism_report, merged, usage
+from .logprobs import LogprobFormatter
 from .parsing import build_job, json_object, read_body, validate
 from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
@@ -46,9 +51,9 @@ def call_item_id(call: dict) -> str:
     return f"fc_{call['id'].removeprefix('call_')}"
 
 
-def message_item(message_id: str, status: str, text: str) -> dict:
+def message_item(message_id: str, status: str, text: str, logprobs: list[dict]) -> dict:
     return {"type": "message", "id": message_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
 def call_item(call: dict, status: str) -> dict:
@@ -61,16 +66,21 @@ def reasoning_item(reasoning_id: str, status: str, text: str) -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def output_items(answer: Answer, ids: dict[str, str], status: str) -> list[dict]:
+def output_items(answer: Answer, ids: dict[str, str], status: str, logprobs: list[dict]) -> list[dict]:
     """The answer as output items, in the order they were written: its reasoning, its calls, and its text
     (always, unless it is calls only) where it began among them; `ids`: the message's and the reasoning's."""
     items = [call_item(call, status) for call in answer.calls]
     content = answer.message()["content"]
     if content is not None or not items:
-        items.insert(answer.message_at or 0, message_item(ids["message"], status, content or ""))
+        items.insert(answer.message_at or 0, message_item(ids["message"], status, content or "", logprobs))
     if answer.reasoning is not None:
         items.insert(0, reasoning_item(ids["reasoning"], status, answer.reasoning))
     return items
+
+
+def formatter(state: ServerState, job: Job) -> LogprobFormatter | None:
+    """The formatter of the text's logprobs, where the request asked for them."""
+    return state.formatter if job.choices[0].request.sampling.logprobs is not None else None
 
 
 def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> dict:
@@ -96,7 +106,9 @@ def response_body(state: ServerState, job: Job, outcomes: dict[int, Outcome], id
     o = outcomes[choice.index]
     status = "incomplete" if o.reason == "length" else "completed"
     ids = ids or {"message": item_id("msg"), "reasoning": item_id("rs")}
-    body = envelope(state, job, status, output_items(o.answer, ids, status))
+    fmt = formatter(state, job)
+    logprobs = [] if fmt is None else fmt.tokens(o.logprobs[o.reasoning_tokens:])
+    body = envelope(state, job, status, output_items(o.answer, ids, status, logprobs))
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
     counts = usage(job, outcomes)
@@ -132,7 +144,7 @@ def closing(event: Callable[..., bytes], index: int, item: dict) -> Iterator[byt
     if item["type"] == "message":
         part = item["content"][0]
         yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                    text=part["text"], logprobs=[])
+                    text=part["text"], logprobs=part["logprobs"])
         yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
     elif item["type"] == "reasoning":
         yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
@@ -156,12 +168,24 @@ def writer() -> Callable[..., bytes]:
 class ItemStream:
     """The answer's pieces as Responses events: an item is announced when its first piece comes (the reasoning
     and the message at their first text, a call when it opens), then grows by deltas; `index` is each item's
-    output_index."""
+    output_index; `fmt`: the text's logprobs' formatter, None where they were not asked for."""
 
-    def __init__(self, event: Callable[..., bytes], answer: Answer):
-        self.event, self.answer = event, answer
+    def __init__(self, event: Callable[..., bytes], outcome: Outcome, fmt: LogprobFormatter | None):
+        self.event, self.outcome, self.answer, self.fmt = event, outcome, outcome.answer, fmt
         self.ids = {"message": item_id("msg"), "reasoning": item_id("rs")}
         self.index: dict = {}   # "message", "reasoning", or a call's index -> its output_index
+        self.sent: int | None = None   # the text's logprobs sent: up to this token (None: none yet)
+
+    def unsent(self) -> int:
+        """Where the text's logprobs not sent yet begin (the reasoning is settled once text comes: its tokens
+        are not the text's)."""
+        return self.outcome.reasoning_tokens if self.sent is None else self.sent
+
+    def logprobs(self) -> list[dict]:
+        if self.fmt is None:
+            return []
+        start, self.sent = self.unsent(), len(self.outcome.logprobs)
+        return self.fmt.tokens(self.outcome.logprobs[start:])
 
     def open(self, key, item: dict) -> Iterator[bytes]:
         self.index[key] = len(self.index)
@@ -174,7 +198,7 @@ class ItemStream:
                                                                             if key == "message" else {})})
         kind = "output_text" if key == "message" else "reasoning_text"
         yield self.event(f"response.{kind}.delta", item_id=self.ids[key], output_index=self.index[key],
-                         content_index=0, delta=text, **({"logprobs": []} if key == "message" else {}))
+                         content_index=0, delta=text, **({"logprobs": self.logprobs()} if key == "message" else {}))
 
     def pieces(self, pieces: list[Piece]) -> Iterator[bytes]:
         for p in pieces:
@@ -191,12 +215,14 @@ class ItemStream:
         for index, item in enumerate(body["output"]):
             if index == len(self.index):
                 yield from self.open("message", item)
+            if item["type"] == "message" and self.fmt is not None and self.unsent() < len(self.outcome.logprobs):
+                yield from self.text("message", "")   # the tokens after the last text (held whitespace, EOS)
             yield from closing(self.event, index, item)
 
 
 async def stream(state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
     event, o, finished = writer(), job.outcome(whole=False), False
-    items = ItemStream(event, o.answer)
+    items = ItemStream(event, o, formatter(state, job))
     try:
         for name in ("response.created", "response.in_progress"):
             yield event(name, response=envelope(state, job, "in_progress", []))

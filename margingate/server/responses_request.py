@@ -7,7 +7,8 @@ it runs the chat path unchanged (template, tools, grammar, policy):
   first;
 - `max_output_tokens` -> `max_completion_tokens`, `text.format` -> `response_format`, flat function `tools`
   -> chat tools, `tool_choice` {"type": "function", "name"} -> chat's named choice, `reasoning.effort` ->
-  `reasoning_effort` (given to the template);
+  `reasoning_effort` (given to the template); `top_logprobs` (0..20) or `include` naming
+  "message.output_text.logprobs" -> chat's `logprobs: true` + `top_logprobs`;
 - the fields both APIs share (`temperature`, `top_p`, `seed`, `determinism`, ...) pass through as they are;
 - nothing is stored (`store` is accepted, the answer says false), so `previous_response_id` and the other
   fields that need a stored or hosted state are a 400 naming them; other unknown fields are ignored and named
@@ -37,8 +38,10 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "prompt": ((None,), "prompt (a stored prompt template) is not supported: send instructions and input"),
     "truncation": ((None, "disabled"), "truncation auto is not supported: a prompt too long is refused"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported: use parallel_tool_calls"),
-    "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)"),
 }
+
+# the `include` value that asks for the output text's logprobs
+LOGPROBS = "message.output_text.logprobs"
 
 # a chat field's name in a refusal -> the Responses field it came from
 RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
@@ -151,7 +154,13 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
-    include: list[str] | None = None   # extra data in the answer (logprobs, encrypted reasoning): none is kept here
+    include: list[str] | None = None   # extra data in the answer: the text's logprobs (LOGPROBS); others ignored
+    top_logprobs: int | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        """The output text carries its tokens' logprobs: `include` names them, or top_logprobs asks for some."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
 
     def ignored_fields(self) -> list[str]:
         return sorted(set(self.model_extra or {}) - SHARED)
@@ -174,6 +183,8 @@ class ResponsesRequest(BaseModel):
             body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
+        if self.logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         return body
 
 
