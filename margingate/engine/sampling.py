@@ -64,9 +64,8 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     followed by this step's `drafts` (speculation: not the sequence's tokens until accepted, yet row i's
     penalties see d1..di, as plain decoding after them would). Rows left on the device (`DeviceRows`) choose
     from their read-back argmax when the request is plain greedy; otherwise they are read back here."""
-    sp = seq.request.sampling
     if isinstance(rows, DeviceRows):
-        if sp.temperature == 0 and not sp.adjusts and seq.grammar is None:
+        if plain_greedy(seq):
             return RowChoices(first_pos, rows, rows, list(rows.best), rows)
         rows = rows.cpu()
     history = [*seq.request.prompt_ids, *seq.output_ids, *drafts] if seq.request.sampling.adjusts else []
@@ -77,13 +76,19 @@ def choose(seq: Sequence, rows: torch.Tensor, first_pos: int, drafts: list[int] 
     return RowChoices(first_pos, rows, scored, invariant.argmax_rows(scored), dist)
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """Does the request choose the argmax of the raw logits (temperature 0, no bias, penalty or grammar)?"""
+    sp = seq.request.sampling
+    return sp.temperature == 0 and not sp.adjusts and seq.grammar is None
+
+
 def processed(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: list[int]) -> torch.Tensor:
     """The distribution `rows` (fp32, [n, vocab]) sample from; row i chooses the token at position
     first_chosen + i, after `history`[:first_chosen + i]: bias, penalties, the grammar's mask,
     temperature, filters (steps 1-3 less the noise)."""
-    sp = seq.request.sampling
-    if sp.temperature == 0 and not sp.adjusts and seq.grammar is None:
+    if plain_greedy(seq):
         return rows
+    sp = seq.request.sampling
     rows = rows.float()
     if sp.adjusts:
         rows = torch.stack([adjust(seq, row, first_chosen + i, history) for i, row in enumerate(rows)])

@@ -26,8 +26,8 @@ def _return_freed_heap() -> None:
     114 MB of a 1B Q8_0 load's resident memory). Where the C library has no malloc_trim, nothing."""
     import ctypes
 
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    from .. import libc
+
+    trim = libc.function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    if trim is not None:
+        trim(0)

@@ -15,7 +15,6 @@ attention only looks at positions below a row's length.
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import sys
 from collections.abc import Callable
@@ -23,21 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import libc
 from ..kernels import invariant
 
 Column = tuple[torch.Tensor, torch.Tensor]  # one position's K and V, every layer: [layers, kv_heads, head_dim]
 KV_DTYPES = ("bfloat16", "int8", "float32")  # float32: tests against fp32 oracles
-
-
-@functools.cache
-def _madvise():
-    """libc's madvise, or None where there is none (then nothing is handed back)."""
-    try:
-        fn = ctypes.CDLL(None).madvise
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
 
 
 MADV_DONTNEED = 4  # Linux: the pages are dropped; the next read of them finds zeros
@@ -47,7 +36,7 @@ PAGE = mmap.PAGESIZE
 def release_pages(addr: int, length: int) -> int:
     """Drop the whole pages inside [addr, addr + length); the bytes dropped (0 where madvise is missing)."""
     start, end = -(-addr // PAGE) * PAGE, (addr + length) // PAGE * PAGE
-    fn = _madvise()
+    fn = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
     if fn is None or end <= start or sys.platform != "linux":
         return 0
     return end - start if fn(start, end - start, MADV_DONTNEED) == 0 else 0

@@ -16,20 +16,15 @@ left in an arena (results/soak/heap-probe: +1.1 % over a soak at 8 MiB, against 
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import time
 
+from .. import libc
 
-@functools.cache
+
 def _malloc_trim():
     """glibc's malloc_trim, or None where the C library has none."""
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return libc.function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 M_MMAP_THRESHOLD = -3
@@ -39,12 +34,8 @@ MMAP_THRESHOLD = 8 << 20
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     """glibc: allocations of `nbytes` and more are mapped on their own and unmapped when freed (this also
     turns off the dynamic threshold). False without glibc."""
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn(M_MMAP_THRESHOLD, nbytes) == 1
+    fn = libc.function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    return fn is not None and fn(M_MMAP_THRESHOLD, nbytes) == 1
 
 
 def available() -> bool:
