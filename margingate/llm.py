@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,8 @@ from .models.loader import gguf_parts, load_config, load_state_dict, resolve_mod
 from .models.named import DEFAULT_MODEL
 from .models.quantize import check_source, quantize_state
 from .models.tokenizer import Tokenizer
+from .models.weights import WeightsError
+from .models.weights import build as build_weights
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
 from .options.weights import QUANT_CONTRACT, check_weights
 from .policies import Policy, build
@@ -106,6 +108,24 @@ class LLM:
             return quantize_state(load_state_dict(self.folder), self.config, quantize, contract=contract)
         gguf = gguf_parts(model) if contract else None
         return load_state_dict(self.folder, gguf=gguf, contract=contract or "int8")
+
+    def update_weights(self, source: Mapping[str, torch.Tensor] | str | Path) -> int:
+        """Replace the model's weights from the next request on: `source` is a state dict by transformers'
+        names (`TrainableModel.state_dict()`, any dtype: held as bf16, as a load holds them) or a folder of
+        safetensors. Checked whole against the model's config before anything changes (a missing, stray or
+        misshapen tensor is refused by name); refused while requests are in flight. Returns the new weight
+        version, which every result's report carries; cached prefixes are dropped."""
+        if isinstance(source, (str, Path)):
+            folder = Path(source)
+            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+                raise WeightsError(f"{folder}: not a folder of safetensors files")
+            source = load_state_dict(folder)
+        self.engine.require_idle("update weights")  # before the weights are built: a refusal changes nothing
+        where = getattr(source, "source", "the given state dict")
+        weights = build_weights(self.config, source, self.model.device, where, packed=not self.model.triton)
+        version = self.engine.update_weights(weights)
+        self.weights_cache = None  # no longer the file's packed matrices
+        return version
 
     def weights_folder(self) -> Path:
         """The model's folder with its tensors (bf16 safetensors), converted from its GGUF if they are not

@@ -83,6 +83,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.prefix)
         self.default_policy = default_policy
         self.step_count = 0
+        self.weight_version = 0  # how many times the weights were replaced since load (`update_weights`)
         self.totals = {phase: PhaseTotals() for phase in PHASES}
         self.step_profile = StepProfile()  # the decode forward's cost by rows: when a proposal pays
         self._finished: list[Sequence] = []
@@ -98,6 +99,27 @@ class Engine:
     def release_idle_memory(self) -> int:
         """Idle: the KV pool's free blocks give their pages back (models/kv_cache.py); the bytes released."""
         return self.kv.release_free_pages()
+
+    def update_weights(self, weights) -> int:
+        """Run `weights` (models.weights.ModelWeights, built for this model's config) from the next step on;
+        refused while requests are in flight (the server pauses first). Cached prefixes and recorded forwards
+        are dropped; the new weight version, which every result reports."""
+        self.require_idle("update weights")
+        self.model.replace_weights(weights)
+        self.runner.weights_changed()
+        self.reset_prefix_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    def require_idle(self, what: str) -> None:
+        """RuntimeError naming the requests in flight, if any: `what` waits for them to finish or be aborted."""
+        if self.has_work:
+            raise RuntimeError(f"cannot {what} with {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.waiting)} waiting requests: finish, abort or pause them first")
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix; the blocks dropped (0 without a prefix cache)."""
+        return self.prefix.clear() if self.prefix is not None else 0
 
     def running_ids(self) -> list[str]:
         return [seq.request_id for seq in self.scheduler.running]
@@ -333,7 +355,7 @@ class Engine:
     # --- drivers -------------------------------------------------------------------
     def result(self, seq: Sequence) -> Result:
         sp = seq.request.sampling
-        stats = seq.policy.report(seq)
+        stats = {**seq.policy.report(seq), "weight_version": self.weight_version}
         if seq.speculation is not None:  # exact under a deterministic policy; fast promises nothing
             stats.update(seq.speculation.report(), speculation_exact=seq.policy.deterministic)
         if seq.grammar is not None and seq.grammar.error is not None:

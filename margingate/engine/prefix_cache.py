@@ -111,3 +111,11 @@ class PrefixCache:
             return False
         self._evict(key)
         return True
+
+    def clear(self) -> int:
+        """Forget every cached prefix (new weights make their K/V stale); the blocks dropped. A block a running
+        request still holds stays its own until it finishes."""
+        n = len(self._blocks)
+        while self._blocks:
+            self._evict(next(iter(self._blocks)))
+        return n

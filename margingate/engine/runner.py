@@ -60,6 +60,11 @@ class Runner:
             self.graphs = StepGraphs(model, kv, self.sink, blocks_for(max(max_len, graph_rows), kv.block_size),
                                      graph_rows, capture=graphs == "cuda")
 
+    def weights_changed(self) -> None:
+        """The model's weights were replaced: recorded forwards are recorded again on first use."""
+        if self.graphs is not None:
+            self.graphs.forget()
+
     def step(self, prefills: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> list[torch.Tensor | None]:
         """One engine step: prompt chunks (seq, start, end) and one decode row per sequence.
         Returns, in that order, fp32 logits rows [n, vocab] for each: a prompt chunk's last row if

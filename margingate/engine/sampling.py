@@ -94,11 +94,20 @@ def processed(seq: Sequence, rows: torch.Tensor, first_chosen: int, history: lis
         rows = torch.stack([adjust(seq, row, first_chosen + i, history) for i, row in enumerate(rows)])
     if seq.grammar is not None:
         rows = masked(seq, rows, first_chosen)
-    if sp.temperature > 0:
-        rows = (rows / sp.temperature).contiguous()
-        if sp.filters:
-            rows = filtered(rows, sp)
-    return rows
+    return tempered(rows, sp) if sp.temperature > 0 else rows
+
+
+def tempered(rows: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Step 3 less the noise: rows / temperature, then the filters' -inf. The one statement of the
+    distribution a sampled row draws from, which "processed" logprobs report and a trainer's loss reads
+    (`logprobs.token_logprobs`): differentiable in `rows`, the filters chosen from its values alone."""
+    rows = (rows / sp.temperature).contiguous()
+    if not sp.filters:
+        return rows
+    if not rows.requires_grad:
+        return filtered(rows, sp)
+    removed = torch.isneginf(filtered(rows.detach(), sp)) & ~torch.isneginf(rows.detach())
+    return rows.masked_fill(removed, -math.inf)
 
 
 def adjust(seq: Sequence, row: torch.Tensor, position: int, history: list[int]) -> torch.Tensor:

@@ -74,6 +74,10 @@ class StepGraphs:
         self._runs: dict[GraphKey, tuple[_Buffers, Callable[[], None]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
+    def forget(self) -> None:
+        """Drop every recorded forward: each captured the weights it ran with (`Runner.weights_changed`)."""
+        self._runs.clear()
+
     def takes(self, rows: int) -> bool:
         """Does a forward of this many rows fit a bucket? (MoE routing reads the batch on the host: never.)"""
         return rows <= self.sizes[-1] and not self.model.config.num_experts

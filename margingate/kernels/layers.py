@@ -34,6 +34,7 @@ class KernelSet:
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     own_weights: bool  # True: the model's bf16 weights as loaded (packed for INVARIANT), for any activation dtype
     experts: Callable[..., torch.Tensor] | None = None  # (x, router, expert_set): an MoE block in one call
+    route: Callable[..., tuple] | None = None  # (router logits, k, normalize) -> (experts, weights); None: moe.route
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""

@@ -22,6 +22,7 @@ The weights come from an explicit name map (`weights.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -72,12 +73,7 @@ class DecoderModel:
         # plain copies in another dtype on first use.
         self.own_weights = build(config, state, self.device, source, packed=not self.triton)
         self._library_weights: dict[torch.dtype, ModelWeights] = {}
-        scaled = config.rope_scaling or config.rope_freq_factors
-        self._rotary = rotary.RotaryTable(config.head_dim, config.rope_theta, rope_scaling.inv_freq(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None)
-        # the sliding-window layers' own RoPE base (Gemma 3)
-        self._local_rotary = (rotary.RotaryTable(config.head_dim, config.rope_local_theta)
-                              if any(config.layer_windows) else None)
+        self._rotary, self._local_rotary = rotary_tables(config)
         self.fused = True  # one compiled call for the whole stack where it applies (same bits)
         self._stack_spec = None  # kernels/stack.py's StackSpec, built on the first compiled forward
 
@@ -97,6 +93,13 @@ class DecoderModel:
         (recorded forwards: engine/step_graphs.py)."""
         for table in filter(None, (self._rotary, self._local_rotary)):
             table.reserve(n)
+
+    def replace_weights(self, weights: ModelWeights) -> None:
+        """Run `weights` from the next forward on (`weights.build` made them from the same config): the
+        library's copies and the compiled stack's view of the old ones are dropped."""
+        self.own_weights = weights
+        self._library_weights.clear()
+        self._stack_spec = None
 
     def weights(self, dtype: torch.dtype) -> ModelWeights:
         """The library kernels' weights, plain, in `dtype`: unpacked on first use (only `fast-library`
@@ -133,15 +136,11 @@ class DecoderModel:
         return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
-        h = layers.embed(tokens, W.embed, dtype)
-        if self.spec.embed_scale:  # one rounded product per element, the factor rounded to the dtype first
-            return h * torch.tensor(math.sqrt(self.config.hidden_size), dtype=dtype)
-        return h
+        return scale_embedding(self.config, layers.embed(tokens, W.embed, dtype))
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, tuple]:
         """cos/sin [N, 1, D] for these positions: the full-attention layers' and the sliding layers'."""
-        full = self._rotary.lookup(positions, dtype)
-        return full, (self._local_rotary.lookup(positions, dtype) if self._local_rotary else full)
+        return rope_lookup(self._rotary, self._local_rotary, positions, dtype)
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin for these positions."""
@@ -168,30 +167,70 @@ class DecoderModel:
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
                rope: tuple[torch.Tensor, torch.Tensor], rows: AttentionRows, kv: KVPool,
                dtype: torch.dtype) -> torch.Tensor:
-        """One decoder layer: attention then MLP, each a residual branch after its RMSNorm (and, with
-        sandwich norms, normed again before its add)."""
-        cfg, spec, n = self.config, self.spec, h.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        """One decoder layer whose rows write their K/V into the pool and attend over their cached keys."""
+        cfg = self.config
 
-        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return ops.rmsnorm(x, weight, cfg.rms_eps, spec.unit_offset_norms)
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.write(li, rows.tables, rows.table_of, rows.positions, k, v)
+            return attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li))
+        return decoder_layer(cfg, L, h, ops, rope, attention)
 
-        q, k, v = ops.linear(norm(h, L.input_layernorm), L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
-        q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        if spec.qk_norm:  # per head, before RoPE
-            q, k = norm(q, L.q_norm), norm(k, L.k_norm)
-        q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
-        kv.write(li, rows.tables, rows.table_of, rows.positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
-        attn = attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li))
-        y = ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
-        if spec.sandwich_norms:
-            h = h + norm(y, L.post_attention_layernorm)
-            x = norm(h, L.pre_feedforward_layernorm)
-        else:
-            h = h + y
-            x = norm(h, L.post_attention_layernorm)
-        if L.experts:
-            y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
-        else:
-            y = ops.mlp(x, L.gate_up, L.down_proj, gelu=spec.activation == "gelu_tanh")
-        return h + (norm(y, L.post_feedforward_layernorm) if spec.sandwich_norms else y)
+
+def rotary_tables(config: ModelConfig) -> tuple[rotary.RotaryTable, rotary.RotaryTable | None]:
+    """The model's RoPE tables: the full-attention layers' (with the config's scaling) and, where some layers
+    slide, those layers' own base (Gemma 3), else None."""
+    scaled = config.rope_scaling or config.rope_freq_factors
+    full = rotary.RotaryTable(config.head_dim, config.rope_theta, rope_scaling.inv_freq(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None)
+    local = rotary.RotaryTable(config.head_dim, config.rope_local_theta) if any(config.layer_windows) else None
+    return full, local
+
+
+def rope_lookup(full: rotary.RotaryTable, local: rotary.RotaryTable | None, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """cos/sin [N, 1, D] for these positions: the full-attention layers' and the sliding layers'."""
+    cos_sin = full.lookup(positions, dtype)
+    return cos_sin, (local.lookup(positions, dtype) if local else cos_sin)
+
+
+def scale_embedding(config: ModelConfig, h: torch.Tensor) -> torch.Tensor:
+    """Embedding rows as the first layer reads them: times sqrt(hidden) where the layer says so (one rounded
+    product per element, the factor rounded to the activations' dtype first)."""
+    if config.layer.embed_scale:
+        return h * torch.tensor(math.sqrt(config.hidden_size), dtype=h.dtype)
+    return h
+
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) -> the rows' outputs
+
+
+def decoder_layer(cfg: ModelConfig, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,
+                  rope: tuple[torch.Tensor, torch.Tensor], attention: Attention) -> torch.Tensor:
+    """One decoder layer, the one statement of it that every Python forward runs (the engine's, and the
+    trainable model's with autograd kernels): attention then MLP, each a residual branch after its RMSNorm
+    (and, with sandwich norms, normed again before its add). `attention` takes the rows' rotated q
+    [N, heads, D] and k, v [N, kv_heads, D], and returns their attention outputs."""
+    spec, n = cfg.layer, h.shape[0]
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.rmsnorm(x, weight, cfg.rms_eps, spec.unit_offset_norms)
+
+    q, k, v = ops.linear(norm(h, L.input_layernorm), L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+    q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if spec.qk_norm:  # per head, before RoPE
+        q, k = norm(q, L.q_norm), norm(k, L.k_norm)
+    q, k = rotary.rotate(q, *rope), rotary.rotate(k, *rope)
+    attn = attention(q, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
+    y = ops.linear(attn.reshape(n, -1), L.o_proj, L.o_proj_bias)
+    if spec.sandwich_norms:
+        h = h + norm(y, L.post_attention_layernorm)
+        x = norm(h, L.pre_feedforward_layernorm)
+    else:
+        h = h + y
+        x = norm(h, L.post_attention_layernorm)
+    if L.experts:
+        y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
+    else:
+        y = ops.mlp(x, L.gate_up, L.down_proj, gelu=spec.activation == "gelu_tanh")
+    return h + (norm(y, L.post_feedforward_layernorm) if spec.sandwich_norms else y)

@@ -30,7 +30,7 @@ def moe_mlp(x: torch.Tensor, layer, k: int, normalize: bool, ops) -> torch.Tenso
     for our kernels, their `expert_set`; `ops` the kernel set (its linear and SwiGLU MLP)."""
     if ops.experts is not None:  # the invariant kernels: the whole block in one compiled call
         return ops.experts(x, layer.router, layer.expert_set)
-    chosen, weights = route(ops.linear(x, layer.router), k, normalize)  # logits in x's dtype, as transformers
+    chosen, weights = (ops.route or route)(ops.linear(x, layer.router), k, normalize)  # logits in x's dtype
     return expert_loop(x, chosen.to(x.device), weights.to(x.device, x.dtype), layer.experts, ops)
 
 
