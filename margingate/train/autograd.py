@@ -92,17 +92,22 @@ def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], scale: float,
                   window: int) -> torch.Tensor:
     """Causal attention of each sequence's rows over its own earlier rows (sequence s: rows [starts[s],
-    starts[s + 1])), grouped-query heads as transformers repeats them; `window` > 0: the last `window` keys."""
-    group = q.shape[1] // k.shape[1]
-    out = []
-    for a, b in zip(starts, starts[1:]):
-        qs, ks, vs = q[a:b], k[a:b].repeat_interleave(group, 1), v[a:b].repeat_interleave(group, 1)
-        scores = torch.einsum("thd,shd->hts", qs, ks) * scale
-        t = torch.arange(b - a, device=q.device)
-        visible = (t[None, :] <= t[:, None]) & ((t[:, None] - t[None, :] < window) if window else True)
-        probs = torch.softmax(scores.masked_fill(~visible, -torch.inf), dim=-1)
-        out.append(torch.einsum("hts,shd->thd", probs, vs))
-    return torch.cat(out)
+    starts[s + 1])), grouped-query heads as transformers repeats them; `window` > 0: the last `window` keys.
+    The sequences are padded into one [sequences, heads, T, T] computation, padding keys masked."""
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    width, group = max(lengths), q.shape[1] // k.shape[1]
+    slot = torch.cat([s * width + torch.arange(n, device=q.device) for s, n in enumerate(lengths)])
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # rows -> [sequences, heads, T, D], zeros where padded
+        out = x.new_zeros(len(lengths) * width, *x.shape[1:]).index_copy(0, slot, x)
+        return out.view(len(lengths), width, *x.shape[1:]).transpose(1, 2)
+
+    qs, ks, vs = grid(q), grid(k).repeat_interleave(group, 1), grid(v).repeat_interleave(group, 1)
+    t = torch.arange(width, device=q.device)
+    visible = (t[None, :] <= t[:, None]) & ((t[:, None] - t[None, :] < window) if window else True)
+    probs = torch.softmax((qs @ ks.transpose(-1, -2) * scale).masked_fill(~visible, -torch.inf), dim=-1)
+    out = (probs @ vs).transpose(1, 2).reshape(len(lengths) * width, *q.shape[1:])
+    return out.index_select(0, slot)
 
 
 def route_ref(logits: torch.Tensor, chosen: torch.Tensor, normalize: bool) -> torch.Tensor:

@@ -72,10 +72,10 @@ class TrainableModel(nn.Module):
             rope = local if site.window else full
             h = decoder_layer(self.config, L, h, TRAIN, rope, lambda q, k, v: attention(q, k, v, site))
         logits = TRAIN.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.unit_offset_norms)
-        out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
-        for b, (a, e) in enumerate(rows_of):
-            out[b, a:e] = logits[starts[b]:starts[b + 1]]
-        return CausalLMOutput(out)
+        width = input_ids.shape[1]  # each token's row of the padded [batch * positions] grid, in one copy
+        dest = torch.cat([torch.arange(b * width + a, b * width + e) for b, (a, e) in enumerate(rows_of)])
+        out = logits.new_zeros(input_ids.numel(), logits.shape[-1]).index_copy(0, dest, logits)
+        return CausalLMOutput(out.view(*input_ids.shape, -1))
 
     def _attention_site(self, rows_of: list[tuple[int, int]], positions: torch.Tensor,
                         starts: list[int]) -> AttentionSite:

@@ -62,13 +62,19 @@ def rescored(forward: Forward, rollouts: list[Rollout], side: str = "right") -> 
     logprobs mode (processed: at its temperature and filters), from one padded batch."""
     ids, mask = padded([r.ids for r in rollouts], side)
     logits = forward(ids, mask)
+    width, cols = ids.shape[1], []
+    for b, r in enumerate(rollouts):  # the columns of each rollout's sampled tokens
+        first = b * width + int(mask[b].nonzero()[0]) + len(r.prompt_ids)
+        cols.append(torch.arange(first, first + len(r.token_ids)))
+    picked = torch.cat(cols)
+    # one gather for all rollouts: a slice per rollout would cost a logits-sized gradient each
+    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, picked - 1).split([len(c) for c in cols])
+    tokens = ids.flatten()[picked].split([len(c) for c in cols])
     out = []
-    for b, r in enumerate(rollouts):
-        first = int(mask[b].nonzero()[0]) + len(r.prompt_ids)  # the first sampled token's column
-        rows, tokens = logits[b, first - 1:first - 1 + len(r.token_ids)], ids[b, first:first + len(r.token_ids)]
+    for r, row, token in zip(rollouts, rows, tokens):
         sp = r.sampling
         mode = "processed" if sp.processed_logprobs else "raw"
-        out.append(token_logprobs(rows, tokens, mode, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+        out.append(token_logprobs(row, token, mode, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                   min_p=sp.min_p))
     return out
 
