@@ -35,8 +35,8 @@ from margingate.paper_table.store import Clock, HardStop, Store, stop_on_sigterm
 
 # per device: shapes, B, new, calibration new, prompt lengths, check prompts, dvr W and G, graphs
 DEFAULTS = {"cuda": ("llama-3.1-8b,qwen2.5-14b", "1,8,32,64", 256, 128, (64, 192), 8, 64, 8, "cuda"),
-            # the dry run's scale: 3 dvr windows per request as on the GPU (256 / 64 = 4)
-            "cpu": ("toy", "1,2,4", 12, 8, (4, 12), 4, 4, 2, "stand-in")}
+            # the dry run's scale: 4 dvr windows per request as on the GPU (256 / 64)
+            "cpu": ("toy", "1,2", 8, 6, (4, 12), 2, 2, 2, "stand-in")}
 
 
 def bandwidth(device: str) -> float:
@@ -59,12 +59,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", help="comma-separated (default: both models; cpu: toy)")
-    p.add_argument("--batch-sizes", help="default 1,8,32,64 (cpu: 1,2,4)")
-    p.add_argument("--new", type=int, help="new tokens per timed request (default 256; cpu: 12)")
-    p.add_argument("--cal-new", type=int, help="new tokens per calibration request (default 128; cpu: 8)")
-    p.add_argument("--window", type=int, help="dvr's W (default 64; cpu: 4)")
+    p.add_argument("--batch-sizes", help="default 1,8,32,64 (cpu: 1,2)")
+    p.add_argument("--new", type=int, help="new tokens per timed request (default 256; cpu: 8)")
+    p.add_argument("--cal-new", type=int, help="new tokens per calibration request (default 128; cpu: 6)")
+    p.add_argument("--window", type=int, help="dvr's W (default 64; cpu: 2)")
     p.add_argument("--group", type=int, help="dvr's G (default 8; cpu: 2)")
-    p.add_argument("--check-prompts", type=int, help="default 8 (cpu: 4)")
+    p.add_argument("--check-prompts", type=int, help="default 8 (cpu: 2)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cal-batches", type=int, default=2, help="calibration batches per batch size")
