@@ -27,8 +27,10 @@ def table_summary(path: Path) -> dict:
     if not path.exists():
         return {"report": "none written"}
     rep = json.loads(path.read_text())
-    shapes = {name: {"tau": r.get("tau", {}).get("tau"), "check": "check" in r, "points": sorted(r.get("bench", {})),
-                     "not_reached": [x["B"] for x in r.get("not_reached", [])]} for name, r in rep["shapes"].items()}
+    shapes = {name: {"tau": r.get("tau", {}).get("tau"),
+                     "check": "done" if "check" in r else ("cut" if "check_cut" in r else "not started"),
+                     "points": sorted(r.get("bench", {})), "not_reached": [x["B"] for x in r.get("not_reached", [])]}
+              for name, r in rep["shapes"].items()}
     return {"run_id": rep["run"]["id"], "shapes": shapes, **({"stopped": rep["stopped"]} if "stopped" in rep else {})}
 
 

@@ -29,14 +29,19 @@ def specs(tau: float, window: int, group: int) -> dict[str, PolicySpec]:
             "verify-all": PolicySpec("verify-all")}
 
 
-def check(lanes: Lanes, eager: Lanes, ids: list[list[int]], new: int, policies: dict[str, PolicySpec]) -> dict:
-    """Sequence determinism and the token digest of each policy's batch against each request alone."""
+def check(lanes: Lanes, eager: Lanes, ids: list[list[int]], new: int, policies: dict[str, PolicySpec],
+          left: Callable[[], float]) -> dict:
+    """Sequence determinism and the token digest of each policy's batch against each request alone; no policy
+    starts once `left()` is spent."""
     alone = [lanes.run(1, lambda: requests_of([x], new, PolicySpec("batch-invariant"), "a")).tokens[0]
              for x in ids]
     runs = [(name, lanes, spec) for name, spec in policies.items()]
     runs.append(("batch-invariant, no graphs", eager, PolicySpec("batch-invariant")))
     out = {"prompts": [digest([x]) for x in ids], "alone": {"digest": digest(alone)}, "policies": {}}
     for name, where, spec in runs:
+        if left() <= 0:
+            out["policies"][name] = {"skipped": "the part's deadline passed"}
+            continue
         got = where.run(len(ids), lambda: requests_of(ids, new, spec, "c", arrivals=True)).tokens
         out["policies"][name] = {"sequence_determinism": sum(a == b for a, b in zip(alone, got)) / len(ids),
                                  "digest": digest(got), **where.lane(len(ids)).record()}

@@ -44,6 +44,9 @@ def check_lines(c: dict) -> list[str]:
                  f"batch-invariant (digest {c['alone']['digest']})", "",
              "| policy | sequence determinism | digest | graphs |", "|---|---|---|---|"]
     for p, r in c["policies"].items():
+        if "skipped" in r:
+            lines.append(f"| {p} | {r['skipped']} | | |")
+            continue
         lines.append(f"| {p} | {percent(r['sequence_determinism'], False)} | {r['digest']} | {graphs_of(r)} |")
     return lines
 
@@ -95,6 +98,8 @@ def markdown(rep: dict) -> str:
             lines += tau_lines(r["tau"])
         if "check" in r:
             lines += check_lines(r["check"]) + ["", f"deterministic policies in the check: {one_digest(r)}"]
+        elif "check_cut" in r:
+            lines += check_lines(r["check_cut"]) + ["", "the check was cut by the part's deadline"]
         if r.get("bench"):
             lines += bench_lines(r["bench"]) + ratio_lines(name, r["bench"])
         lines += [f"- B = {x['B']} not reached: {x['why']}" for x in r.get("not_reached", [])]

@@ -74,10 +74,14 @@ def run_shape(name: str, cfg: TableConfig, store: Store, clock: Clock) -> None:
     policies = specs(rep["tau"]["tau"], cfg.window, cfg.group)
     if "check" not in rep:
         t = time.perf_counter()
-        rep["check"] = store.stamp(check(lanes, eager, sets.check, cfg.new, policies)
-                                   | {"seconds": time.perf_counter() - t})
-        print(f"[{name}] check " + ", ".join(f"{p} {c['digest']} {100 * c['sequence_determinism']:.0f} %"
-                                             for p, c in rep["check"]["policies"].items()), flush=True)
+        done = check(lanes, eager, sets.check, cfg.new, policies, clock.left) | {"seconds": time.perf_counter() - t}
+        print(f"[{name}] check " + ", ".join(f"{p} {c.get('digest', 'skipped')}" for p, c in done["policies"].items()),
+              flush=True)
+        if any("skipped" in c for c in done["policies"].values()):
+            rep["check_cut"] = store.stamp(done)  # not "check": a resumed run does it again
+            store.report.setdefault("cut", []).append({"what": f"{name} check", "why": "the part's deadline"})
+        else:
+            rep["check"] = store.stamp(done)
         store.save()
     bench_points(name, cfg, store, clock, rep, lanes, sets, model)
     del model, lanes, eager
@@ -88,6 +92,9 @@ def run_shape(name: str, cfg: TableConfig, store: Store, clock: Clock) -> None:
 def bench_points(name, cfg: TableConfig, store: Store, clock: Clock, rep: dict, lanes, sets, model) -> None:
     bench, last = rep.setdefault("bench", {}), 0.0
     rep["not_reached"] = []
+    if "check" not in rep:  # cut by the deadline: the points would find no time either
+        rep["not_reached"] = [{"B": b, "why": "the check did not finish"} for b in cfg.batch_sizes]
+        return
     for b in cfg.batch_sizes:
         if f"B{b}" in bench and not any("skipped" in p for p in bench[f"B{b}"]["policies"].values()):
             continue  # finished by the run resumed

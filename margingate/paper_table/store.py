@@ -23,10 +23,23 @@ class HardStop(BaseException):
     """SIGTERM arrived: stop where we are, save, exit."""
 
 
+STOPPED: list[int] = []  # the signal received, if one was
+
+
 def stop_on_sigterm() -> None:
     def handler(signum, frame):
+        STOPPED.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the save that follows
         raise HardStop(f"signal {signum}")
     signal.signal(signal.SIGTERM, handler)
+
+
+def hard_stop_of(exc: BaseException) -> HardStop | None:
+    """`exc` as the hard stop it is: HardStop itself, or whatever it turned into (raised inside an import or a
+    C extension, it may surface as another exception) once SIGTERM has arrived."""
+    if isinstance(exc, HardStop):
+        return exc
+    return HardStop(f"signal {STOPPED[0]} (surfacing as {type(exc).__name__})") if STOPPED else None
 
 
 class Clock:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from margingate.paper_table.report import markdown  # noqa: E402
 from margingate.paper_table.runner import TableConfig, run_shape  # noqa: E402
-from margingate.paper_table.store import Clock, HardStop, Store, stop_on_sigterm  # noqa: E402
+from margingate.paper_table.store import Clock, Store, hard_stop_of, stop_on_sigterm  # noqa: E402
 
 # per device: shapes, B, new, calibration new, prompt lengths, check prompts, dvr W and G, graphs
 DEFAULTS = {"cuda": ("llama-3.1-8b,qwen2.5-14b", "1,8,32,64", 256, 128, (64, 192), 8, 64, 8, "cuda"),
@@ -99,16 +99,16 @@ def main() -> int:
     try:
         for name in shapes:
             run_shape(name, cfg, store, clock)
-    except HardStop as stop:
-        store.report["stopped"] = {"by": str(stop), "after_s": clock.elapsed()}
+    except BaseException as exc:  # the report says how the run ended before anything else happens
+        stop = hard_stop_of(exc)
+        store.report["stopped"] = {"by": str(stop or f"{type(exc).__name__}: {exc}"), "after_s": clock.elapsed()}
         store.save()
+        if stop is None:
+            raise  # a failure: its traceback, exit 1
         print(f"stopped by {stop} after {clock.elapsed():.0f} s; saved {args.out}/paper.json", flush=True)
         return 124
-    except Exception as exc:  # the traceback follows; the report says the run broke and where
-        store.report["stopped"] = {"by": f"{type(exc).__name__}: {exc}", "after_s": clock.elapsed()}
-        store.save()
-        raise
-    missing = [x for r in store.report["shapes"].values() for x in r.get("not_reached", [])]
+    missing = [x for r in store.report["shapes"].values() for x in r.get("not_reached", [])] + \
+        store.report.get("cut", [])
     if missing:
         store.report["stopped"] = {"by": "the deadline", "after_s": clock.elapsed()}
     store.save()
