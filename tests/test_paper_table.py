@@ -3,7 +3,8 @@ as the lent GPU would run it: the test fails if a deterministic policy's digest 
 fitted on a prompt that is then checked or timed, or if the output folder holds a file older than the run.
 
 Sizes: B = 2 only, 3 new tokens against dvr's window of 2 (beyond it, as 256 against 64 on the GPU), one
-warm-up and two timed runs; about 30 s under the interpreter, most of it the 25 runs the protocol makes.
+warm-up and two timed runs: about 30 s of CPU under the interpreter, most of it the 25 runs the
+protocol makes (67 s of wall time on 2 cores shared at load average 9).
 Also: `scripts/run_status.py`'s statuses, and a SIGTERM that still leaves the report on disk.
 """
 from __future__ import annotations
