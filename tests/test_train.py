@@ -168,12 +168,11 @@ def test_padding_refuses_a_row_with_a_gap(trainer):
 
 # --- weights into the running engine --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def updated_llm(model_dir):
-    """An engine of its own: these tests change its weights."""
-    from margingate.llm import LLM
-
-    return LLM(weights="bf16", max_num_seqs=8)
+@pytest.fixture
+def updated_llm(bf16_llm, trainer):
+    """The module's engine, its load-time weights put back after each test that changes them."""
+    yield bf16_llm
+    bf16_llm.update_weights(trainer.state_dict())
 
 
 def test_after_a_training_step_the_engine_reports_the_trainers_logprobs(updated_llm, prompt_ids):
@@ -215,8 +214,8 @@ def test_update_from_a_folder_equals_a_fresh_engine_on_that_folder(updated_llm, 
     assert [(o.token_ids, o.logprobs) for o in ours[0]] == [(f.token_ids, f.logprobs) for f in fresh[0]]
 
 
-def test_a_bad_update_is_refused_by_name_and_changes_nothing(updated_llm, tmp_path):
-    state = TrainableModel.from_pretrained("smollm2-135m").state_dict()
+def test_a_bad_update_is_refused_by_name_and_changes_nothing(updated_llm, trainer, tmp_path):
+    state = trainer.state_dict()
     version = updated_llm.engine.weight_version
     first = updated_llm.generate("Hi there", max_new_tokens=6, sampling=SamplingParams(logprobs=0))[0]
     missing = {k: v for k, v in state.items() if k != "model.layers.3.mlp.up_proj.weight"}
