@@ -102,10 +102,10 @@ def _fp64(*shape, seed: int = 0) -> torch.Tensor:
 def test_each_ops_backward_passes_gradcheck_in_fp64(op):
     """The backward of every op is the gradient of its plain math (fp64 inputs run that math forward too)."""
     cases = {
-        "linear": lambda: (lambda x, w, b: A.linear(x, A.Param(w, None), b), (_fp64(3, 5), _fp64(4, 5, seed=1),
+        "linear": lambda: (lambda x, w, b: A.TRAIN.linear(x, A.Param(w, None), b), (_fp64(3, 5), _fp64(4, 5, seed=1),
                                                                            _fp64(4, seed=2))),
-        "rmsnorm": lambda: (lambda x, w: A.rmsnorm(x, w, 1e-5), (_fp64(3, 2, 6), _fp64(6, seed=1))),
-        "rmsnorm-unit": lambda: (lambda x, w: A.rmsnorm(x, w, 1e-6, True), (_fp64(3, 6), _fp64(6, seed=1))),
+        "rmsnorm": lambda: (lambda x, w: A.TRAIN.rmsnorm(x, w, 1e-5), (_fp64(3, 2, 6), _fp64(6, seed=1))),
+        "rmsnorm-unit": lambda: (lambda x, w: A.TRAIN.rmsnorm(x, w, 1e-6, True), (_fp64(3, 6), _fp64(6, seed=1))),
         "silu": lambda: (A.TRAIN.silu_mul, (_fp64(3, 8),)),
         "gelu": lambda: (A.TRAIN.gelu_tanh_mul, (_fp64(3, 8),)),
         "attention": lambda: (lambda q, k, v: A.attention(q, k, v, A.AttentionSite(None, None, [0, 3, 5], 0.5)),
@@ -138,8 +138,8 @@ def test_each_ops_kernel_computes_the_math_its_backward_differentiates(op):
         got, want = A.attention(q, k, v, site), A.attention_ref(q.float(), k.float(), v.float(), [0, 4, 9], 0.125, 0)
     else:
         got, want = {
-            "linear": (A.linear(x, A.Param.of(w), b), A.linear_ref(x.float(), w.float(), b.float())),
-            "rmsnorm": (A.rmsnorm(x, x[0], 1e-5), A.rmsnorm_ref(x.float(), x[0].float(), 1e-5, False)),
+            "linear": (A.TRAIN.linear(x, A.Param.of(w), b), A.linear_ref(x.float(), w.float(), b.float())),
+            "rmsnorm": (A.TRAIN.rmsnorm(x, x[0], 1e-5), A.rmsnorm_ref(x.float(), x[0].float(), 1e-5, False)),
             "silu": (A.TRAIN.silu_mul(x), A.silu_mul_ref(x.float())),
             "gelu": (A.TRAIN.gelu_tanh_mul(x), A.gelu_tanh_mul_ref(x.float())),
         }[op]

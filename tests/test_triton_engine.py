@@ -174,3 +174,24 @@ def test_rotary_tables_follow_the_positions_device():
     on_gpu = table.lookup(torch.tensor([0, 5, 300], device="cuda"), torch.bfloat16)
     assert all(t.device.type == "cuda" for t in on_gpu)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
+
+
+def test_trainable_model_on_triton_is_the_triton_engine_bitwise(hf_folder, model):
+    """The trainable model over the Triton kernels: three prompts in one right-padded batch give each prompt's
+    logits as the Triton engine computes it alone, bitwise, and the backward reaches every parameter."""
+    from margingate.train import TrainableModel, token_logprobs
+    from margingate.train.rollouts import padded
+
+    folder = hf_folder[1]
+    trainer = TrainableModel(load_config(folder), load_state_dict(folder), kernels="triton").to(DEVICE)
+    ids, mask = padded(PROMPTS)
+    out = trainer(ids.to(DEVICE), attention_mask=mask.to(DEVICE)).logits
+    for b, p in enumerate(PROMPTS):
+        n = len(p)
+        kv, tables = request_pool(model.config, 1, n, torch.bfloat16, device=DEVICE)
+        alone = model.forward(torch.tensor(p, device=DEVICE), torch.arange(n, device=DEVICE), tables,
+                              torch.zeros(n, dtype=torch.long, device=DEVICE), AttentionPlan.all_exact(n), kv)
+        assert torch.equal(out[b, :n], alone), f"prompt {b}"
+    keep = (mask[:, 1:] * mask[:, :-1]).bool().to(DEVICE)
+    token_logprobs(out[:, :-1], ids[:, 1:].to(DEVICE))[keep].sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainer.parameters())

@@ -12,14 +12,16 @@ gate|up concatenated from parameters) with its bf16 panels packed for this forwa
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import invariant
+from ..kernels import invariant, layers
 from ..kernels.attention import AttentionRows, attend
+from ..kernels.choice import KernelChoice
 from ..kernels.layers import KernelSet
 from ..kernels.packing import PackedWeight, pack
 from ..models.kv_cache import KVPool
@@ -29,14 +31,18 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class Param:
-    """A matrix as the trainable ops read it: `plain` [n, k] carries the gradient, `packed` (its bf16
-    values in the invariant linear's panels) gives the forward's bits; None runs the plain math."""
+    """A matrix as the trainable ops read it: `plain` [n, k] carries the gradient, `kernel` (its bf16 values as
+    the backend's linear reads them: packed in panels for the compiled kernels, plain for Triton's) gives the
+    forward's bits; None runs the plain math."""
     plain: torch.Tensor
-    packed: PackedWeight | None
+    kernel: PackedWeight | torch.Tensor | None
 
     @classmethod
-    def of(cls, plain: torch.Tensor) -> Param:
-        return cls(plain, pack(plain.detach()) if plain.dtype in KERNEL_DTYPES else None)
+    def of(cls, plain: torch.Tensor, triton: bool = False) -> Param:
+        if plain.dtype not in KERNEL_DTYPES:
+            return cls(plain, None)
+        bf16 = plain.detach().to(torch.bfloat16)
+        return cls(plain, bf16 if triton else pack(bf16))
 
 
 def _kernel(*xs: torch.Tensor | None) -> bool:
@@ -120,11 +126,11 @@ def route_ref(logits: torch.Tensor, chosen: torch.Tensor, normalize: bool) -> to
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, packed):
+    def forward(ctx, x, w, b, kernel_w, base):
         ctx.save_for_backward(x, w, b)
-        if packed is None or not _kernel(x):
+        if kernel_w is None or not _kernel(x):
             return linear_ref(x, w, b)
-        return invariant.linear(x, packed, _bf16(b))
+        return base.linear(x, kernel_w, _bf16(b))
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,42 +140,42 @@ class _Linear(torch.autograd.Function):
         gx = g @ w.to(wide) if ctx.needs_input_grad[0] else None
         gw = g.T @ x.to(wide) if ctx.needs_input_grad[1] else None
         gb = g.sum(0) if b is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, eps, unit_offset):
+    def forward(ctx, x, w, eps, unit_offset, base):
         ctx.save_for_backward(x, w)
         ctx.args = (eps, unit_offset)
         if not _kernel(x, w):
             return rmsnorm_ref(x, w, eps, unit_offset)
-        return invariant.rmsnorm(x, _bf16(w), eps, unit_offset)
+        return base.rmsnorm(x, _bf16(w), eps, unit_offset)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         eps, unit_offset = ctx.args
         gx, gw = vjp(lambda a, b: rmsnorm_ref(a, b, eps, unit_offset), (x, w), grad)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 class _GatedActivation(torch.autograd.Function):
     """act(gate) * up of gate|up rows, SiLU or GELU-tanh."""
 
     @staticmethod
-    def forward(ctx, gate_up, gelu):
+    def forward(ctx, gate_up, gelu, base):
         ctx.save_for_backward(gate_up)
         ctx.gelu = gelu
         if not _kernel(gate_up):
             return (gelu_tanh_mul_ref if gelu else silu_mul_ref)(gate_up)
-        return (invariant.gelu_tanh_mul if gelu else invariant.silu_mul)(gate_up)
+        return (base.gelu_tanh_mul if gelu else base.silu_mul)(gate_up)
 
     @staticmethod
     def backward(ctx, grad):
         (gate_up,) = ctx.saved_tensors
         (g,) = vjp(gelu_tanh_mul_ref if ctx.gelu else silu_mul_ref, (gate_up,), grad)
-        return g, None
+        return g, None, None
 
 
 class _Attention(torch.autograd.Function):
@@ -221,14 +227,6 @@ class AttentionSite:
     window: int = 0
 
 
-def linear(x: torch.Tensor, w: Param, b: torch.Tensor | None = None) -> torch.Tensor:
-    return _Linear.apply(x, w.plain, b, w.packed)
-
-
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    return _RMSNorm.apply(x, w, eps, unit_offset)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: AttentionSite) -> torch.Tensor:
     return _Attention.apply(q, k, v, site)
 
@@ -237,5 +235,19 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
     return _Route.apply(logits.float(), k, normalize)
 
 
-TRAIN = KernelSet("train", linear, rmsnorm, lambda x: _GatedActivation.apply(x, False),
-                  lambda x: _GatedActivation.apply(x, True), own_weights=True, route=route)
+@functools.cache
+def kernel_set(triton: bool = False) -> KernelSet:
+    """The trainable ops over the invariant kernels of a backend: the compiled CPU ones, or Triton's."""
+    base = layers.kernel_set(KernelChoice.INVARIANT, triton)
+
+    def linear(x: torch.Tensor, w: Param, b: torch.Tensor | None = None) -> torch.Tensor:
+        return _Linear.apply(x, w.plain, b, w.kernel, base)
+
+    def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        return _RMSNorm.apply(x, w, eps, unit_offset, base)
+
+    return KernelSet(f"train-{base.name}", linear, rmsnorm, lambda x: _GatedActivation.apply(x, False, base),
+                     lambda x: _GatedActivation.apply(x, True, base), own_weights=True, route=route)
+
+
+TRAIN = kernel_set()  # the compiled CPU kernels'

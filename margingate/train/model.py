@@ -5,7 +5,8 @@ decoder layer (`models.decoder.decoder_layer`) as the engine, run through the in
 gradients (`autograd.TRAIN`). Each token of a padded batch is one exact row attending over its own
 sequence's earlier tokens, which is what every engine row is (prompt, chunk, decode, verifier), so
 `logits[b, p]` is the engine's logit row for the token after position p, bitwise, at any batch size,
-padding or mix of lengths. MoE routing is the engine's (the route's ids come from its kernel).
+padding or mix of lengths. MoE routing is the engine's (the route's ids come from its kernel). Either backend:
+the compiled CPU kernels, or the Triton ones (`kernels="triton"`), each bitwise its own engine.
 
 Parameters carry transformers' names (`state_dict()` is what `LLM.update_weights` takes). They may be
 bf16, or fp32 master weights rounded to bf16 on every forward exactly as the engine's load rounds them.
@@ -19,13 +20,14 @@ import torch
 from torch import nn
 
 from ..kernels import layers
+from ..kernels import triton as triton_kernels
 from ..kernels.attention import AttentionPlan, AttentionRows
 from ..models.config import ModelConfig
 from ..models.decoder import decoder_layer, rope_lookup, rotary_tables, scale_embedding
 from ..models.kv_cache import KVPool, blocks_for
 from ..models.loader import load_config, load_state_dict, resolve_model_dir
 from ..models.weights import EXTRA_LAYER_MAP, PACKED, LayerWeights, ModelWeights, check
-from .autograd import TRAIN, AttentionSite, Param, attention
+from .autograd import AttentionSite, Param, attention, kernel_set
 
 BLOCK = 16  # the attention pool's block size: a memory choice, never a numerics one (csrc/contract.h)
 
@@ -38,9 +40,11 @@ class CausalLMOutput:
 
 class TrainableModel(nn.Module):
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], param_dtype: torch.dtype = torch.bfloat16,
-                 source: str = "the given state dict"):
+                 source: str = "the given state dict", kernels: str = "compiled"):
         """`state`: tensors by transformers' names, checked against the architecture's map (a missing,
-        stray or misshapen tensor is refused by name); copied into parameters of `param_dtype`."""
+        stray or misshapen tensor is refused by name); copied into parameters of `param_dtype`. `kernels`: the
+        backend whose engine this model is (`compiled`, or `triton`: on CUDA, or CPU under Triton's interpreter);
+        parameters live where the inputs will (`.to(device)`)."""
         super().__init__()
         if param_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"parameters are bf16 or fp32 (master weights), not {param_dtype}")
@@ -50,19 +54,27 @@ class TrainableModel(nn.Module):
             for name in parts:
                 _register(self, name, nn.Parameter(state[name].detach().to(param_dtype).clone()))
         self._rotary, self._local_rotary = rotary_tables(config)
+        self.triton = kernels == "triton"
+        if kernels not in ("compiled", "triton"):
+            raise ValueError(f"unknown kernels {kernels!r} (choose from compiled, triton)")
+        if self.triton:
+            triton_kernels.require()
+        self._ops = kernel_set(self.triton)
 
     @classmethod
-    def from_pretrained(cls, model: str | Path, param_dtype: torch.dtype = torch.bfloat16) -> TrainableModel:
+    def from_pretrained(cls, model: str | Path, param_dtype: torch.dtype = torch.bfloat16,
+                        kernels: str = "compiled") -> TrainableModel:
         """Any name or path `LLM` takes; the weights as `LLM(model, weights="bf16")` loads them."""
         folder = resolve_model_dir(str(model), tensors=True)
-        return cls(load_config(folder), load_state_dict(folder), param_dtype, source=str(folder))
+        return cls(load_config(folder), load_state_dict(folder), param_dtype, source=str(folder), kernels=kernels)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids [batch, positions]; attention_mask 1 on each sequence's tokens, one run of them per row
         (right or left padding). Returns fp32 logits, the engine's bits at every token position."""
         starts, rows_of = _runs(input_ids, attention_mask)
+        dev = input_ids.device
         flat = torch.cat([input_ids[b, a:e] for b, (a, e) in enumerate(rows_of)])
-        positions = torch.cat([torch.arange(e - a) for a, e in rows_of])
+        positions = torch.cat([torch.arange(e - a) for a, e in rows_of]).to(dev)
         W = self.weights()
         h = scale_embedding(self.config, layers.embed(flat, W.embed.plain, torch.bfloat16))
         site = self._attention_site(rows_of, positions, starts)
@@ -70,10 +82,10 @@ class TrainableModel(nn.Module):
         for li, L in enumerate(W.layers):
             site.window = self.config.window(li)
             rope = local if site.window else full
-            h = decoder_layer(self.config, L, h, TRAIN, rope, lambda q, k, v: attention(q, k, v, site))
-        logits = TRAIN.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.unit_offset_norms)
+            h = decoder_layer(self.config, L, h, self._ops, rope, lambda q, k, v: attention(q, k, v, site))
+        logits = self._ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.unit_offset_norms)
         width = input_ids.shape[1]  # each token's row of the padded [batch * positions] grid, in one copy
-        dest = torch.cat([torch.arange(b * width + a, b * width + e) for b, (a, e) in enumerate(rows_of)])
+        dest = torch.cat([torch.arange(b * width + a, b * width + e) for b, (a, e) in enumerate(rows_of)]).to(dev)
         out = logits.new_zeros(input_ids.numel(), logits.shape[-1]).index_copy(0, dest, logits)
         return CausalLMOutput(out.view(*input_ids.shape, -1))
 
@@ -81,13 +93,16 @@ class TrainableModel(nn.Module):
                         starts: list[int]) -> AttentionSite:
         """One exact row per token, each sequence in its own block table of a one-layer pool."""
         cfg, lengths = self.config, [e - a for a, e in rows_of]
-        pool = KVPool(1, 1 + sum(blocks_for(n, BLOCK) for n in lengths), BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        dev = positions.device
+        pool = KVPool(1, 1 + sum(blocks_for(n, BLOCK) for n in lengths), BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                      device=dev)
         width = max(blocks_for(n, BLOCK) for n in lengths)
         tables = torch.full((len(lengths), width), -1, dtype=torch.long)
         for b, n in enumerate(lengths):
             tables[b, :blocks_for(n, BLOCK)] = torch.tensor([pool.allocate() for _ in range(blocks_for(n, BLOCK))])
         table_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        rows = AttentionRows(AttentionPlan.all_exact(len(positions)), tables, table_of, positions)
+        rows = AttentionRows(AttentionPlan.all_exact(len(positions)), tables.to(dev), table_of.to(dev), positions,
+                             triton=self.triton)
         return AttentionSite(rows, pool, starts, cfg.attention_scale)
 
     def weights(self) -> ModelWeights:
@@ -100,7 +115,7 @@ class TrainableModel(nn.Module):
                 return None
             parts = [params[n] for n in self._names[key]]
             t = torch.cat(parts) if len(parts) > 1 else parts[0]
-            return Param.of(t) if key.rsplit(".", 1)[-1] in PACKED or key in ("embed", "lm_head") else t
+            return Param.of(t, self.triton) if key.rsplit(".", 1)[-1] in PACKED or key in ("embed", "lm_head") else t
 
         def experts(i: int) -> dict:
             if i not in self.config.moe_layers:
