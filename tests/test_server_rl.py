@@ -218,11 +218,19 @@ def test_a_pause_during_a_stream_follows_its_mode(server, http, original, whole,
     assert r.status_code == 200 and r.json()["mode"] == mode
     if mode == "wait":  # the pause held once the request had finished
         assert http.get("/health").json()["in_flight"] == 0
+    arrived = []  # a request sent while paused: held, then served under the weights of the resume
+    later = threading.Thread(target=lambda: arrived.append(complete(http)), daemon=True)
+    later.start()
+    assert poll(lambda: http.get("/health").json()["held"] == 1, 30)
     if mode == "keep":  # an update under the pause keeps it: the trainer resumes
         r = update(http, original[0], "abort")  # the mode of the pause in force holds, not this one
         assert r.status_code == 200 and r.json()["paused"] and r.json()["mode"] == "keep", r.text
-    assert http.post("/resume").status_code == 200
+    assert http.post("/resume").json()["resumed"] == 1
     thread.join(TIMEOUT)
+    later.join(TIMEOUT)
+    assert arrived[0]["choices"][0]["token_ids"] == whole[:8]
+    assert arrived[0]["determinism"]["weight_version"] == server.engine.weight_version
+    assert "weight_versions" not in arrived[0]["determinism"]
     ids, reason, report = streamed(out)
     if mode == "abort":  # a clean end, not an error: the tokens so far are the request's own
         assert reason == "abort" and ids == whole[:len(ids)] and len(ids) < LONG

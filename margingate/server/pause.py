@@ -7,7 +7,8 @@ as queued ones do). The modes, for the requests in flight when the pause starts:
 - `wait`: they run to their end; the pause holds once the engine has no work;
 - `keep`: the loop stops stepping with them in place. A weight swap then preempts them (`Engine.update_weights`
   with `keep`): on resume each recomputes its K/V under the new weights and goes on from its tokens so far, so
-  no forward mixes K/V of two versions. A request whose tokens two versions chose says so in its result
+  no forward mixes K/V of two versions (each counts as a preemption in the metrics). A request whose tokens two
+  versions chose says so in its result
   (`weight_versions`, `weights_updated_at_token`), and jobs.determinism_report withdraws its guarantee.
 
 Everything here that changes state runs on the engine thread (`call`, the inbox's "pause"): no other thread

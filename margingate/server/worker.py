@@ -39,7 +39,6 @@ from .pause import Pausing
 log = logging.getLogger("margingate.server")
 
 
-
 class EngineWorker(Pausing):
     def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = ServerConfig.max_queue,
                  idle_poll_s: float = 0.05, heap_trim_idle_s: float | None = ServerConfig.heap_trim_idle_s):
