@@ -7,13 +7,20 @@ environment its reports record. The server reads these here, never the facade (`
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
 
 from .engine.detokenize import decode_text
 from .engine.engine import Engine
 from .engine.policy import Policy
 from .engine.structured import Grammars
+from .models.loader import load_state_dict
 from .models.tokenizer import Tokenizer
+from .models.weights import ModelWeights, WeightsError, build
+
+__all__ = ["ServingContext", "WeightsError"]
 
 
 class ServingContext:
@@ -34,6 +41,22 @@ class ServingContext:
         engine = engine or llm.engine
         return cls(llm.model_name, engine, llm.tokenizer, llm.policy, device=llm.device, default_tau=llm.default_tau,
                    vocab_size=llm.config.vocab_size, environment=llm.environment())
+
+    def weights(self, source: Mapping[str, torch.Tensor] | str | Path) -> ModelWeights:
+        """New weights for the served model, built and checked whole (by transformers' tensor names and the
+        config's shapes) without touching the engine: a state dict, or a folder of safetensors. WeightsError
+        names the first missing, stray or misshapen tensor. The engine thread swaps them in
+        (`Engine.update_weights`)."""
+        model = self.engine.model
+        if isinstance(source, (str, Path)):
+            folder = Path(source)
+            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+                raise WeightsError(f"{folder}: not a folder of safetensors files")
+            source, where = load_state_dict(folder), str(folder)
+        else:
+            where = "the given state dict"
+        with torch.no_grad():  # a trainer's parameters: their values, not their graph
+            return build(model.config, source, model.device, where, packed=not model.triton)
 
     @property
     def grammars(self) -> Grammars:

@@ -100,11 +100,17 @@ class Engine:
         """Idle: the KV pool's free blocks give their pages back (models/kv_cache.py); the bytes released."""
         return self.kv.release_free_pages()
 
-    def update_weights(self, weights) -> int:
+    def update_weights(self, weights, keep: bool = False) -> int:
         """Run `weights` (models.weights.ModelWeights, built for this model's config) from the next step on;
-        refused while requests are in flight (the server pauses first). Cached prefixes and recorded forwards
-        are dropped; the new weight version, which every result reports."""
-        self.require_idle("update weights")
+        refused while requests are in flight (the server pauses first), unless `keep`: then each running request
+        is preempted, so it recomputes its K/V under the new weights (its tokens so far kept) and none runs on
+        K/V of both. Cached prefixes and recorded forwards are dropped; the new weight version, which every
+        result reports."""
+        if keep:
+            for seq in reversed(list(self.scheduler.running)):  # newest first: the oldest ends at the queue's front
+                self.scheduler.preempt(seq)
+        else:
+            self.require_idle("update weights")
         self.model.replace_weights(weights)
         self.runner.weights_changed()
         self.reset_prefix_cache()

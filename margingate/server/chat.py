@@ -52,8 +52,12 @@ class ChatEndpoint(Endpoint):
         return {"index": choice.index, "finish_reason": o.finish_reason, "token_ids": o.ids,
                 "message": {"role": "assistant", **o.answer.message()}, "logprobs": logprobs}
 
+    def top_fields(self, job: Job) -> dict:
+        """vLLM's place for the prompt's ids on chat: beside the choices (one prompt, whatever n)."""
+        return {"prompt_token_ids": job.choices[0].request.prompt_ids} if job.params.return_token_ids else {}
+
     def opening_chunks(self, writer: ChunkWriter, choice: Choice) -> Iterator[dict]:
-        yield writer.chunk(choice, "", [], first=True)
+        yield {**writer.chunk(choice, "", [], first=True), **self.top_fields(writer.job)}
 
     def content(self, text: str | None, delta: dict, first: bool) -> dict:
         return {"delta": {**({"role": "assistant"} if first else {}), **({} if text is None else {"content": text}),

@@ -4,6 +4,8 @@ each; the answer's text, `echo` (the prompt, and its logprobs, before it) and th
 prompt first."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from starlette.concurrency import run_in_threadpool
 
 from ..data.prompts import Prompt
@@ -12,6 +14,7 @@ from .endpoint import Endpoint
 from .events import Outcome
 from .jobs import Choice, Job
 from .logprobs import merge_completion
+from .protocol import BadRequest
 from .state import ServerState
 from .streaming import ChunkWriter
 
@@ -25,7 +28,9 @@ class CompletionsEndpoint(Endpoint):
 
     async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
         out = []
-        for p in params.prompt:
+        for i, p in enumerate(params.prompt):
+            if isinstance(p, list):
+                check_ids(p, state.context.vocab_size, "prompt" if len(params.prompt) == 1 else f"prompt.{i}")
             ids = p if isinstance(p, list) else await run_in_threadpool(state.context.encode_prompt,
                                                                         Prompt("text", None, p, "http"))
             out.append((ids, p if isinstance(p, str) else None))
@@ -37,6 +42,7 @@ class CompletionsEndpoint(Endpoint):
         echo = None
         if job.echo:
             echo = (echo_text(state, choice), o.prompt_logprobs or o.result.prompt_logprobs)
+        if job.echo or job.params.return_token_ids:
             body["prompt_token_ids"] = choice.request.prompt_ids
         body["text"] = (echo[0] if echo else "") + o.text
         body["logprobs"] = self.logprobs_body(state, choice, o, echo)
@@ -57,6 +63,13 @@ class CompletionsEndpoint(Endpoint):
     def content(self, text: str | None, delta: dict, first: bool) -> dict:
         return {"text": text or ""}
 
+    def opening_chunks(self, writer: ChunkWriter, choice: Choice) -> Iterator[dict]:
+        """With return_token_ids, a first chunk with the prompt's ids and no text (vLLM sends them first)."""
+        if writer.job.params.return_token_ids:
+            out = writer.chunk(choice, "", [])
+            out["choices"][0]["prompt_token_ids"] = choice.request.prompt_ids
+            yield out
+
     def stream_logprobs(self, writer: ChunkWriter, choice: Choice, ids: list[int], lps: list, offsets: list[int]):
         return writer.state.formatter.completion(ids, lps, [writer.text_start[choice.index] + i for i in offsets])
 
@@ -68,6 +81,14 @@ class CompletionsEndpoint(Endpoint):
         out["choices"][0]["token_ids"] = []
         writer.text_start[choice.index] = len(text)
         return out
+
+
+def check_ids(ids: list[int], vocab: int, param: str) -> None:
+    """Before the engine sees them: an id outside the vocabulary would index past the embedding."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadRequest(f"{param}: token id {ids[bad]} at position {bad} is outside the vocabulary (ids 0.."
+                         f"{vocab - 1})", param=param, code="token_id_out_of_range")
 
 
 def echo_text(state: ServerState, choice: Choice) -> str:

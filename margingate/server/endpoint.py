@@ -54,6 +54,10 @@ class Endpoint:
     def choice_body(self, state: ServerState, job: Job, choice: Choice, outcome: Outcome) -> dict:
         raise NotImplementedError
 
+    def top_fields(self, job: Job) -> dict:
+        """The answer's fields beside its choices that this API adds (chat: the prompt's ids, where asked)."""
+        return {}
+
     def stream(self, state: ServerState, job: Job, handles: list[Handle]) -> AsyncIterator[bytes]:
         """The answer as server-sent events (streaming.py, with the chunk hooks below)."""
         return stream(state, job, handles)

@@ -105,6 +105,7 @@ class Handle:
     first_token: float | None = None
     admitted: bool = False
     closed: bool = False                # the last event was posted
+    weights_from: tuple[int, int] | None = None  # kept across a weight swap: (the version before, tokens chosen)
 
     @property
     def request_id(self) -> str:

@@ -65,18 +65,28 @@ def determinism_report(state: ServerState, job: Job, choice: Choice, result: Res
     # prompt logprobs always are: prompts run the invariant kernels whatever the policy
     logprobs = {**({"logprobs_guaranteed": promise.guarantees_logprobs} if sp.logprobs is not None else {}),
                 **({"prompt_logprobs_guaranteed": True} if sp.prompt_logprobs is not None else {})}
+    # kept in place across a weight swap (pause.py): two models chose its tokens, so no single run repeats it
+    kept = promise.deterministic and "weight_versions" in result.stats
     return finite({
         # three names clients already read, one fact
-        "deterministic": promise.deterministic,
-        "batch_invariant": promise.deterministic,
-        "guaranteed": promise.deterministic,
+        "deterministic": promise.deterministic and not kept,
+        "batch_invariant": promise.deterministic and not kept,
+        "guaranteed": promise.deterministic and not kept,
         **logprobs,
+        **({"logprobs_guaranteed": False} if kept and "logprobs_guaranteed" in logprobs else {}),
+        **({"warning": KEPT_ACROSS_SWAP} if kept else {}),
+        # the weights it ran under (the environment's model_fingerprint names those loaded at start)
+        "weight_version": state.engine.weight_version,
         **result.stats,
         "temperature": sp.temperature,
         "seed": sp.seed if sp.temperature > 0 else None,
         "engine_finish_reason": result.finish_reason,
         "environment": state.environment,
     })
+
+
+KEPT_ACROSS_SWAP = ("the weights were updated while this request was kept in place: weight_versions chose its "
+                    "tokens, the later one from output token weights_updated_at_token on")
 
 
 def envelope(state: ServerState, job: Job, object_name: str) -> dict:
@@ -89,6 +99,7 @@ def completion_body(state: ServerState, job: Job, outcomes: dict[int, Outcome]) 
     each choice where there are several), usage."""
     body = envelope(state, job, job.endpoint.object_name)
     body["choices"] = [job.endpoint.choice_body(state, job, c, outcomes[c.index]) for c in job.choices]
+    body.update(job.endpoint.top_fields(job))
     reports = [determinism_report(state, job, c, outcomes[c.index].result) for c in job.choices]
     if len(reports) > 1:
         for choice, report in zip(body["choices"], reports):

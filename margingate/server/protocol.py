@@ -18,7 +18,8 @@ What is supported, and what is refused with a 400 naming the field:
   and usage end with the token that completes it: `engine/detokenize.py`);
 - extensions: `deterministic` (bool), `determinism` {policy, tau, repair, strict,
   verifier_precision, defer, window, group}, `speculative` {method, num_tokens, ngram_max,
-  ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`;
+  ngram_min}, `ignore_eos` (bool), `top_k`, `min_p`, `repetition_penalty`, vLLM's `return_token_ids`
+  (`prompt_token_ids` in the answer: on each completions choice, at the top of a chat answer);
 - output constraints (`formats.py`): `response_format` json_object / json_schema, vLLM's `guided_*`
   and `structured_outputs`, and `logprobs_mode` (raw | processed);
 - fields SDKs send: accepted where they change nothing here, honoured where they mean something
@@ -166,6 +167,8 @@ class CommonBody(ConstraintFields):
     determinism: DeterminismOptions | None = None
     speculative: SpeculativeOptions | None = None
     ignore_eos: bool = False
+    # vLLM's: the prompt's token ids in the answer too (the output's, `token_ids`, are always there)
+    return_token_ids: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

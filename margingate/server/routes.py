@@ -1,7 +1,8 @@
 """The routes: /health, /metrics, /v1/models[/{id}], the generation routes (/v1/completions,
 /v1/chat/completions, /v1/responses, /v1/messages: each its API's endpoint, completions.py, chat.py,
 responses.py, messages.py) and
-/tokenize, /detokenize (tokenization.py).
+/tokenize, /detokenize (tokenization.py), and what a trainer calls (control_routes.py: /v1/update_weights, /pause,
+/resume, /is_paused, /reset_prefix_cache).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
-from . import tokenization
+from . import control_routes, tokenization
 from .chat import CHAT
 from .completions import COMPLETIONS
 from .errors import json_error
@@ -21,6 +22,7 @@ from .state import ServerState
 
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize
+router.include_router(control_routes.router)  # /v1/update_weights, /pause, /resume, /is_paused, /reset_prefix_cache
 
 
 def state_of(req: HTTPRequest) -> ServerState:
@@ -38,6 +40,9 @@ async def health(req: HTTPRequest):
             "in_flight": w.in_flight, "running": w.running, "queued": w.queue_length,
             "kv_blocks_used": state.engine.load.blocks_used, "kv_blocks_free": state.engine.load.blocks_free,
             "last_error": w.last_error,
+            # a trainer's updates since load (every response's determinism report names the one it ran under)
+            "weight_version": state.engine.weight_version, "paused": w.paused is not None, "pause_mode": w.paused,
+            "held": w.held,
             # the linear path in use, and any path this CPU has that failed its load-time proof
             "linear_path": state.environment.get("kernels_linear_path"),
             "linear_refused": state.environment.get("kernels_linear_refused", {}),

@@ -1,11 +1,13 @@
 """What one app holds: what it serves (`serving_context.ServingContext`: the engine, tokenizer, templates,
-grammars, policies), the engine thread, the settings, the metrics."""
+grammars, policies), the engine thread, the settings, the metrics, and the trainer's controls (control.py:
+`state.control.update_weights(state_dict)`, pause, resume)."""
 from __future__ import annotations
 
 import time
 
 from ..serving_context import ServingContext
 from .config import ServerConfig
+from .control import Control
 from .logprobs import LogprobFormatter
 from .metrics import Metrics
 from .reasoning import template_family
@@ -24,11 +26,20 @@ class ServerState:
                                    heap_trim_idle_s=config.heap_trim_idle_s)
         self.tool_format = template_format(context.chat_template)  # tools.py
         self.reasoning_family = template_family(context.chat_template)  # reasoning.py
-        self.environment = context.environment
-        self.fingerprint = (f"{self.environment['model_fingerprint']}-{self.environment['device']}"
-                            f"-t{engine.num_threads}")
+        self.control = Control(context, self.worker)
+        self.environment = context.environment  # at start: what changes later (the weight version) is read live
         self.formatter = LogprobFormatter(context.tokenizer, context.lock)
-        m, w = self.metrics, self.worker
+        self.metrics_gauges()
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: it changes with what changes the output, new weights included."""
+        env, version = self.environment, self.engine.weight_version
+        return (f"{env['model_fingerprint']}-{env['device']}-t{self.engine.num_threads}"
+                + (f"-w{version}" if version else ""))
+
+    def metrics_gauges(self) -> None:
+        m, w, config, engine = self.metrics, self.worker, self.config, self.engine
         m.gauge("queue_length", "requests accepted and waiting for KV blocks", lambda: w.queue_length)
         m.gauge("running_requests", "requests holding KV blocks", lambda: w.running)
         m.gauge("in_flight_requests", "requests accepted and not finished", lambda: w.in_flight)
@@ -41,3 +52,5 @@ class ServerState:
         m.gauge("prefix_cache_tokens", "prompt positions held by the prefix cache (0: off)",
                 lambda: engine.prefix.cached_tokens if engine.prefix is not None else 0)
         m.gauge("engine_alive", "1 while the engine thread runs", lambda: 1.0 if w.alive else 0.0)
+        m.gauge("paused", "1 while generation is paused (/pause, a weight update)", lambda: float(w.paused is not None))
+        m.gauge("weight_version", "weight updates since load", lambda: engine.weight_version)

@@ -11,6 +11,11 @@ or error).
 Failure isolation: a request the engine refuses gets a 400 and nothing else
 changes; if a step raises, the requests that were in the step fail with 500,
 are removed from the engine (their KV blocks freed) and the loop goes on.
+
+Pausing (vLLM's modes, for a trainer putting new weights in: control.py): while paused, new requests are
+held, not given to the engine, until resumed. `abort` aborts the requests in flight (each answers with
+finish_reason "abort"), `wait` lets them finish, `keep` stops stepping with them in place. A weight swap
+runs here, between steps, while paused (`Engine.update_weights`).
 """
 from __future__ import annotations
 
@@ -29,11 +34,12 @@ from .errors import QueueFull, ShuttingDown
 from .events import Event, Handle
 from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics
+from .pause import Pausing
 
 log = logging.getLogger("margingate.server")
 
 
-class EngineWorker:
+class EngineWorker(Pausing):
     def __init__(self, engine: Engine, metrics: Metrics | None = None, max_queue: int = ServerConfig.max_queue,
                  idle_poll_s: float = 0.05, heap_trim_idle_s: float | None = ServerConfig.heap_trim_idle_s):
         if max_queue < 0:
@@ -55,6 +61,7 @@ class EngineWorker:
         self.waiting = 0                    # snapshots for gauges / health (written by the engine thread)
         self.running = 0
         self.last_error: str | None = None
+        self._init_pause()                  # pause.py: the pause mode, the requests it holds
 
     # --- lifecycle (any thread) ----------------------------------------------------
     def start(self) -> None:
@@ -84,6 +91,7 @@ class EngineWorker:
         if not self._accepting:
             return
         self._accepting = False
+        self.call(self._resume)  # what a pause holds is in flight too: it gets the grace like the rest
 
         def fail_late():
             deadline = time.monotonic() + grace_s
@@ -145,13 +153,14 @@ class EngineWorker:
     def _run(self) -> None:
         while True:
             try:
-                if not self._drain_inbox(block=not self.engine.has_work):
+                if not self._drain_inbox(block=not self.engine.has_work or self.paused == "keep"):
                     break
-                if self.engine.has_work:
+                if self.engine.has_work and self.paused != "keep":
                     self._step()
                     self.heap.busy()
                 elif self._in_flight == 0:
                     self._trim_when_idle()
+                self._release_drained()
                 load = self.engine.load
                 self.waiting, self.running = load.waiting, load.running
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
@@ -186,12 +195,19 @@ class EngineWorker:
                     self._post(arg[0], Event.error(500, f"abort failed: {exc}"))
             elif kind == "fail_all":
                 self._fail_all(*arg)
+            elif kind == "pause":
+                self._pause(*arg)
+            elif kind == "call":
+                self._call(*arg)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return True
 
     def _add(self, handle: Handle) -> None:
+        if self.paused is not None:
+            self._held.append(handle)
+            return
         try:
             handle.seq = self.engine.add_request(handle.request)
         except ValueError as exc:
@@ -209,12 +225,17 @@ class EngineWorker:
     def _abort(self, handle: Handle, reason: str) -> None:
         if handle.closed:
             return
+        if handle in self._held:  # never given to the engine
+            self._held.remove(handle)
+            self._post(handle, Event.error(499, "aborted"))
+            return
         self.engine.abort(handle.request_id)
         if reason == "disconnect":
             self.metrics.inc("client_disconnects_total")
         result = self.engine.result(handle.seq) if handle.seq is not None else None
         if result is not None:
             result.finish_reason = reason
+            self._stamp(handle, result)
             self.metrics.finished(result, time.perf_counter() - handle.submitted)
             self._post(handle, Event("done", result=result))
         else:
@@ -267,6 +288,7 @@ class EngineWorker:
             self.metrics.inc("generation_tokens_total", len(event.token_ids))
             self._post(handle, Event.tokens(event))
         if event.finished:
+            self._stamp(handle, event.result)
             self.metrics.finished(event.result, time.perf_counter() - handle.submitted)
             self._post(handle, Event("done", result=event.result))
 
@@ -282,7 +304,8 @@ class EngineWorker:
                 self._post(handle, Event.error(500, f"engine step failed: {type(exc).__name__}: {exc}"))
 
     def _fail_all(self, status: int, message: str, inbox: bool = False) -> None:
-        for handle in list(self._handles.values()):
+        held, self._held = self._held, []
+        for handle in [*self._handles.values(), *held]:
             try:
                 self.engine.abort(handle.request_id)
             except Exception:  # noqa: BLE001
