@@ -18,12 +18,10 @@ from .engine.structured import Grammars
 from .environment import environment_record
 from .kernels import invariant
 from .models import build_model
-from .models.loader import gguf_parts, load_config, load_state_dict, resolve_model_dir
+from .models.loader import gguf_parts, load_config, load_state_dict, replacement_weights, resolve_model_dir
 from .models.named import DEFAULT_MODEL
 from .models.quantize import check_source, quantize_state
 from .models.tokenizer import Tokenizer
-from .models.weights import WeightsError
-from .models.weights import build as build_weights
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
 from .options.weights import QUANT_CONTRACT, check_weights
 from .policies import Policy, build
@@ -115,15 +113,8 @@ class LLM:
         safetensors. Checked whole against the model's config before anything changes (a missing, stray or
         misshapen tensor is refused by name); refused while requests are in flight. Returns the new weight
         version, which every result's report carries; cached prefixes are dropped."""
-        if isinstance(source, (str, Path)):
-            folder = Path(source)
-            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-                raise WeightsError(f"{folder}: not a folder of safetensors files")
-            source = load_state_dict(folder)
         self.engine.require_idle("update weights")  # before the weights are built: a refusal changes nothing
-        where = getattr(source, "source", "the given state dict")
-        weights = build_weights(self.config, source, self.model.device, where, packed=not self.model.triton)
-        version = self.engine.update_weights(weights)
+        version = self.engine.update_weights(replacement_weights(self.model, source))
         self.weights_cache = None  # no longer the file's packed matrices
         return version
 

@@ -16,9 +16,9 @@ from .engine.detokenize import decode_text
 from .engine.engine import Engine
 from .engine.policy import Policy
 from .engine.structured import Grammars
-from .models.loader import load_state_dict
+from .models.loader import replacement_weights
 from .models.tokenizer import Tokenizer
-from .models.weights import ModelWeights, WeightsError, build
+from .models.weights import ModelWeights, WeightsError
 
 __all__ = ["ServingContext", "WeightsError"]
 
@@ -47,16 +47,7 @@ class ServingContext:
         config's shapes) without touching the engine: a state dict, or a folder of safetensors. WeightsError
         names the first missing, stray or misshapen tensor. The engine thread swaps them in
         (`Engine.update_weights`)."""
-        model = self.engine.model
-        if isinstance(source, (str, Path)):
-            folder = Path(source)
-            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-                raise WeightsError(f"{folder}: not a folder of safetensors files")
-            source, where = load_state_dict(folder), str(folder)
-        else:
-            where = "the given state dict"
-        with torch.no_grad():  # a trainer's parameters: their values, not their graph
-            return build(model.config, source, model.device, where, packed=not model.triton)
+        return replacement_weights(self.engine.model, source)
 
     @property
     def grammars(self) -> Grammars:

