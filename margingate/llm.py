@@ -12,7 +12,8 @@ from .data.prompts import Prompt
 from .engine import Request, Result
 from .engine.detokenize import text_decoder
 from .engine.draft import DraftModel, check_draft
-from .engine.engine import Engine, EngineConfig, StreamEvent
+from .engine.engine import Engine, EngineConfig
+from .engine.events import StreamEvent
 from .engine.logprobs import TokenLogprob
 from .engine.structured import Grammars
 from .environment import environment_record

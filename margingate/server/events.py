@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..engine import Request, Result
-from ..engine.engine import StreamEvent
+from ..engine.events import StreamEvent
 from .answer import Answer, PlainParser
 from .call_parser import Piece
 from .protocol import OPENAI_FINISH

@@ -28,7 +28,8 @@ import traceback
 from dataclasses import replace
 
 from ..engine import Request
-from ..engine.engine import Engine, StreamEvent
+from ..engine.engine import Engine
+from ..engine.events import StreamEvent
 from .config import ServerConfig
 from .errors import QueueFull, ShuttingDown
 from .events import Event, Handle
