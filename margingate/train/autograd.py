@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import invariant, layers
+from ..kernels import invariant, layers, library
 from ..kernels.attention import AttentionRows, attend
 from ..kernels.choice import KernelChoice
 from ..kernels.layers import KernelSet
@@ -85,14 +85,7 @@ def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+silu_mul_ref, gelu_tanh_mul_ref = library.silu_mul, library.gelu_tanh_mul  # the library's ops are the plain math
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], scale: float,
