@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer with margingate rollouts, through TRL's experimental `rollout_func`.
 
     pip install "trl==1.16.*" torch==2.13.0    # not a margingate dependency; pin torch so pip keeps it
-    python examples/trl_grpo.py --steps 5 --out results/trl-grpo
+    PYTHONPATH=. python examples/trl_grpo.py --steps 6 --out results/trl-grpo    # figures: results/trl-grpo
 
 The task is examples/grpo.py's: one-digit sums, reward 1 when the first integer of the answer is the sum.
 TRL owns the loop (its own dataloader, advantages, loss and AdamW on transformers' `AutoModelForCausalLM`);
