@@ -2,8 +2,8 @@
 
     python examples/grpo.py --steps 12 --out results/grpo
 
-Each step samples G answers to each of P one-digit sums ("What is 3 + 5?") from the running engine (seeded,
-temperature 1, batch-invariant), rewards an answer whose first number is the sum, and takes one GRPO step
+Each step samples G answers to each of P small sums ("What is 3 + 5?") from the running engine (seeded,
+temperature 1, batch-invariant), rewards an answer in which the sum appears, and takes one GRPO step
 (group-normalized advantages, clipped importance ratio against the rollout's own logprobs, a k3 KL to the
 initial model) with `TrainableModel` (fp32 master weights, bf16 forward), then puts the new weights into the
 engine (`LLM.update_weights`). Before the step it records max |trainer logprob - rollout logprob| over every
@@ -34,13 +34,13 @@ RUNS = ("engine", "fast", "transformers")  # the trainer = engine loop, and its 
 
 def problems(step: int, count: int) -> list[tuple[str, int]]:
     rng = random.Random(step)
-    pairs = [(rng.randint(1, 9), rng.randint(1, 9)) for _ in range(count)]
+    pairs = [(rng.randint(1, 5), rng.randint(1, 5)) for _ in range(count)]
     return [(f"What is {a} + {b}? Answer with just the number.", a + b) for a, b in pairs]
 
 
 def reward(text: str, answer: int) -> float:
-    found = re.search(r"-?\d+", text)
-    return float(found is not None and int(found.group()) == answer)
+    """1 if the sum appears as a number in the answer (a 135M model rarely answers with the number alone)."""
+    return float(answer in (int(n) for n in re.findall(r"\d+", text)))
 
 
 def trainer_for(run: str, model: str):
@@ -151,8 +151,8 @@ def main() -> None:
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--beta", type=float, default=0.04)
