@@ -4,10 +4,10 @@ rollout's, out of all.
     python results/rl-parity/parity.py --out results/rl-parity                   # embedded model + tiny ones
     python results/rl-parity/parity.py --models qwen2.5-coder-0.5b --out ...     # a real model (`make models`)
 
-Per (model, policy, sampling): 64 prompts of mixed lengths, sampled in engine batches of 1, 2, 4, 8, 16, 16, 16
-rollouts, each batch beside 4 unprotected (`fast`) requests; then rescored by `TrainableModel` in right-padded
-batches of 12, another grouping than the rollouts'. `fast` rows are the inverse control. The tiny models are one
-per architecture of `models/architectures.py`, built by transformers' own config classes with random weights and
+Per (model, policy, sampling): 64 prompts (or --rollouts) of mixed lengths, sampled in engine batches of 1, 2, 4,
+8, 16, 16, 16, 1 rollouts, each batch beside 4 unprotected (`fast`) requests; then rescored by `TrainableModel` in
+right-padded batches of 12, another grouping than the rollouts'. `fast` rows are the inverse control. The tiny models
+are one per architecture of `models/architectures.py`, built by transformers' own config classes with random weights and
 the embedded model's tokenizer (2 layers, hidden 256).
 """
 from __future__ import annotations
@@ -34,7 +34,16 @@ from margingate.train.rollouts import compare, rescored, sample
 SAMPLINGS = {"greedy": SamplingParams(), "seeded-t1": SamplingParams(temperature=1.0, seed=7),
              "processed-t0.7-p0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=9, logprobs_mode="processed")}
 POLICIES = ("batch-invariant", "reference", "margin", "dvr", "fast")
-ROLLOUT_BATCHES = (1, 2, 4, 8, 16, 16, 16, 1)  # 64 rollouts
+ROLLOUT_BATCHES = (1, 2, 4, 8, 16, 16, 16, 1)  # 64 rollouts; --rollouts N takes the first batches that sum to N
+
+
+def batches(n: int) -> list[int]:
+    out = []
+    for size in ROLLOUT_BATCHES:
+        if sum(out) + size > n:
+            break
+        out.append(size)
+    return out + ([n - sum(out)] if sum(out) < n else [])
 TRAINER_BATCH = 12
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, initializer_range=0.05)
@@ -70,7 +79,7 @@ def tiny_model(arch: str, root: Path) -> str:
 def rollouts_in_batches(llm: LLM, prompt_ids: list[list[int]], traffic: list[list[int]], sampling: SamplingParams,
                         policy: str, new_tokens: int) -> list:
     out, start = [], 0
-    for i, size in enumerate(ROLLOUT_BATCHES):
+    for i, size in enumerate(batches(len(prompt_ids))):
         others = [Request(p, new_tokens, llm.policy("fast"), request_id=f"traffic-{j}")
                   for j, p in enumerate(traffic[i % 4 * 4:i % 4 * 4 + 4])]
         batch = sample(llm.engine, prompt_ids[start:start + size], sampling.for_sample(start), llm.policy(policy),
@@ -80,7 +89,7 @@ def rollouts_in_batches(llm: LLM, prompt_ids: list[list[int]], traffic: list[lis
     return out
 
 
-def measure(model: str, policies: list[str], samplings: list[str], new_tokens: int) -> list[dict]:
+def measure(model: str, policies: list[str], samplings: list[str], new_tokens: int, count: int) -> list[dict]:
     llm = LLM(model, weights="bf16", max_num_seqs=32)
     trainer = TrainableModel.from_pretrained(model)
     prompts = builtin_prompts()
@@ -88,7 +97,7 @@ def measure(model: str, policies: list[str], samplings: list[str], new_tokens: i
     rows = []
     for policy in policies:
         for name in samplings:
-            rollouts = rollouts_in_batches(llm, ids[:64], ids[64:], SAMPLINGS[name], policy, new_tokens)
+            rollouts = rollouts_in_batches(llm, ids[:count], ids[64:], SAMPLINGS[name], policy, new_tokens)
             with torch.no_grad():
                 rescores = [t for b in range(0, len(rollouts), TRAINER_BATCH)
                             for t in rescored(lambda i, m: trainer(i, attention_mask=m).logits,
@@ -114,6 +123,7 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--samplings", default=",".join(SAMPLINGS))
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--rollouts", type=int, default=64, help="rollouts per (model, policy, sampling), at most 64")
     p.add_argument("--out", type=Path, default=Path("results/rl-parity"))
     p.add_argument("--name", default="parity")
     args = p.parse_args()
@@ -122,7 +132,8 @@ def main() -> None:
     for model in tqdm(args.models.split(","), desc="models"):
         if model.startswith("tiny-"):
             model = tiny_model(model.removeprefix("tiny-"), cache_root() / "tiny-models")
-        rows += measure(model, args.policies.split(","), args.samplings.split(","), args.new_tokens)
+        rows += measure(model, args.policies.split(","), args.samplings.split(","), args.new_tokens,
+                        min(args.rollouts, 64))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     (args.out / f"{args.name}.json").write_text(json.dumps({"cpu": cpu, "command": sys.argv, "rows": rows}, indent=1))
