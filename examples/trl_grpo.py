@@ -3,7 +3,7 @@
     pip install "trl==1.16.*" torch==2.13.0    # not a margingate dependency; pin torch so pip keeps it
     PYTHONPATH=. python examples/trl_grpo.py --steps 6 --out results/trl-grpo    # figures: results/trl-grpo
 
-The task is examples/grpo.py's: one-digit sums, reward 1 when the first integer of the answer is the sum.
+The task is examples/grpo.py's: sums of 1-5, reward 1 when the sum appears as a number in the answer.
 TRL owns the loop (its own dataloader, advantages, loss and AdamW on transformers' `AutoModelForCausalLM`);
 margingate only samples: `rollout_func` runs the engine (seeded, temperature 1, batch-invariant) and hands TRL
 each completion's token ids and the engine's logprob of every sampled token; a callback puts the new weights
