@@ -71,7 +71,7 @@ def update_figures(folder: Path, tmp: Path) -> dict:
     llm.update_weights(str(tmp))
     seconds = time.perf_counter() - t0
     fresh = LLM(str(tmp), weights="bf16")
-    asked = dict(max_new_tokens=32, sampling=SamplingParams(logprobs=0))
+    asked = dict(max_new_tokens=32, ignore_eos=True, sampling=SamplingParams(logprobs=0))
     a = llm.generate(["Why is the sky blue?"], policy=llm.policy("batch-invariant"), **asked)[0]
     b = fresh.generate(["Why is the sky blue?"], policy=fresh.policy("batch-invariant"), **asked)[0]
     return {"update_weights_seconds": seconds, "first_request_equal_to_fresh_engine":
