@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from .engine.detokenize import decode_text
 from .engine.engine import Engine
 from .engine.policy import Policy
 from .engine.structured import Grammars
 from .models.tokenizer import Tokenizer
+
+
+def served_name(model: str) -> str:
+    """The name a model is served under by default: a file or folder on disk by its own name, without the
+    directory (clients such as openai-agents read a `/` in a model name as a provider prefix and refuse it);
+    a named or Hub model as given."""
+    path = Path(model)
+    return path.name if path.name and path.exists() else model
 
 
 class ServingContext:
@@ -32,8 +41,8 @@ class ServingContext:
     def of(cls, llm, engine: Engine | None = None) -> ServingContext:
         """The facade's model served on its engine, or on `engine` (one built whole over the same model)."""
         engine = engine or llm.engine
-        return cls(llm.model_name, engine, llm.tokenizer, llm.policy, device=llm.device, default_tau=llm.default_tau,
-                   vocab_size=llm.config.vocab_size, environment=llm.environment())
+        return cls(served_name(llm.model_name), engine, llm.tokenizer, llm.policy, device=llm.device,
+                   default_tau=llm.default_tau, vocab_size=llm.config.vocab_size, environment=llm.environment())
 
     @property
     def grammars(self) -> Grammars:
