@@ -174,21 +174,30 @@ def test_no_admission_right_after_a_preemption_and_the_victim_is_the_least_progr
 
 
 def test_a_tight_pool_preempts_rarely_and_recovers(llm, ids, monkeypatch):
-    """Six requests in a pool that holds about three, the reserve switched off at the start (admission as greedy
-    as before it existed): the first shortage preempts, the reserve comes back at full ratio, and the run ends
-    with fewer preemptions than requests; each request's tokens and logprobs equal those of the same requests
-    in a pool with room for all."""
+    """Six speculating requests in a pool that holds about three, the reserve switched off at the start (admission
+    as greedy as before it existed): the pool runs out while proposals are pending, the reserve comes back at full
+    ratio, and the run ends with fewer preemptions than requests; each request's tokens and logprobs equal those
+    of the same requests, without proposals, in a pool with room for all."""
     monkeypatch.setattr(scheduling, "RATIO_MIN", 0.0)
-    long = [x * (100 // len(x) + 1) for x in ids[:2]]  # ~100-token prompts: three of them fill the pool
+    long = [x * (100 // len(x) + 1) for x in ids[:2]]  # ~100-token prompts that repeat: the ngram proposer matches
     prompts = [long[i % 2][:90 + 3 * i] for i in range(6)]
-    reqs = lambda tag: [Request(x, NEW, ignore_eos=True, request_id=f"{tag}{i}", sampling=LOGPROBS)  # noqa: E731
-                        for i, x in enumerate(prompts)]
+
+    def reqs(tag: str, spec=None) -> list[Request]:
+        return [Request(x, NEW, ignore_eos=True, request_id=f"{tag}{i}", sampling=LOGPROBS, speculative=spec)
+                for i, x in enumerate(prompts)]
     roomy = engine(llm, "batch-invariant", max_num_seqs=6).generate(reqs("r"))
     need = -(-(max(map(len, prompts)) + NEW) // 16)
-    eng = engine(llm, "batch-invariant", blocks=3 * need, max_num_seqs=6)
+    eng = engine(llm, "batch-invariant", blocks=3 * need, max_num_seqs=6, speculative_cost_model=False)
     eng.scheduler.growth_ratio, eng.scheduler.watermark = 0.0, 0
-    out = eng.generate(reqs("t"))
-    assert 1 <= eng.load.preemptions < len(prompts)
+    pending, preempt = [], eng.scheduler.preempt
+
+    def spy(seq):  # were proposals waiting for blocks when the pool ran out?
+        pending.append(any(s.drafts for s in eng.scheduler.running))
+        preempt(seq)
+    eng.scheduler.preempt = spy
+    out = eng.generate(reqs("t", NGRAM))
+    assert 1 <= len(pending) < len(prompts) and any(pending)
+    assert sum(r.stats["accepted_tokens"] for r in out) > 0
     assert [(r.token_ids, r.logprobs) for r in out] == [(r.token_ids, r.logprobs) for r in roomy]
 
 
