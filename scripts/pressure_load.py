@@ -75,8 +75,11 @@ async def watch_running(client: httpx.AsyncClient, stop: asyncio.Event) -> int:
     """The most requests holding KV blocks at once, sampled from /metrics every 0.5 s until `stop`."""
     most = 0
     while not stop.is_set():
-        m = scrape((await client.get("/metrics")).text)
-        most = max(most, int(m.get("margingate_running_requests", 0)))
+        try:
+            m = scrape((await client.get("/metrics")).text)
+            most = max(most, int(m.get("margingate_running_requests", 0)))
+        except httpx.HTTPError:  # a sample lost is no result lost
+            pass
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
@@ -115,7 +118,8 @@ async def one_by_one(client: httpx.AsyncClient, bodies: list[dict], together: li
 
 
 async def run(url: str, args) -> dict:
-    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+    # no keep-alive: a connection the server closed while idle (uvicorn: after 5 s) would fail the next request
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
         ids = await prompts(client, args.clients, args.prompt_tokens)
         bodies = [body(x, i, args.max_tokens) for i, x in enumerate(ids)]
