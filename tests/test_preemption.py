@@ -176,8 +176,9 @@ def test_no_admission_right_after_a_preemption_and_the_victim_is_the_least_progr
 def test_a_tight_pool_preempts_rarely_and_recovers(llm, ids, monkeypatch):
     """Six speculating requests in a pool that holds about three, the reserve switched off at the start (admission
     as greedy as before it existed): the pool runs out while proposals are pending, the reserve comes back at full
-    ratio, and the run ends with fewer preemptions than requests; each request's tokens and logprobs equal those
-    of the same requests, without proposals, in a pool with room for all."""
+    ratio, no request is preempted twice (no recompute loop), and the run ends with fewer preemptions than
+    requests; each request's tokens and logprobs equal those of the same requests, without proposals, in a pool
+    with room for all."""
     monkeypatch.setattr(scheduling, "RATIO_MIN", 0.0)
     long = [x * (100 // len(x) + 1) for x in ids[:2]]  # ~100-token prompts that repeat: the ngram proposer matches
     prompts = [long[i % 2][:90 + 3 * i] for i in range(6)]
@@ -189,14 +190,16 @@ def test_a_tight_pool_preempts_rarely_and_recovers(llm, ids, monkeypatch):
     need = -(-(max(map(len, prompts)) + NEW) // 16)
     eng = engine(llm, "batch-invariant", blocks=3 * need, max_num_seqs=6, speculative_cost_model=False)
     eng.scheduler.growth_ratio, eng.scheduler.watermark = 0.0, 0
-    pending, preempt = [], eng.scheduler.preempt
+    pending, victims, preempt = [], [], eng.scheduler.preempt
 
     def spy(seq):  # were proposals waiting for blocks when the pool ran out?
         pending.append(any(s.drafts for s in eng.scheduler.running))
+        victims.append(seq.request_id)
         preempt(seq)
     eng.scheduler.preempt = spy
     out = eng.generate(reqs("t", NGRAM))
     assert 1 <= len(pending) < len(prompts) and any(pending)
+    assert len(set(victims)) == len(victims), f"a request was preempted again after its readmission: {victims}"
     assert sum(r.stats["accepted_tokens"] for r in out) > 0
     assert [(r.token_ids, r.logprobs) for r in out] == [(r.token_ids, r.logprobs) for r in roomy]
 
