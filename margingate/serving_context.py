@@ -23,6 +23,14 @@ from .models.weights import ModelWeights, WeightsError
 __all__ = ["ServingContext", "WeightsError"]
 
 
+def served_name(model: str) -> str:
+    """The name a model is served under by default: a file or folder on disk by its own name, without the
+    directory (clients such as openai-agents read a `/` in a model name as a provider prefix and refuse it);
+    a named or Hub model as given."""
+    path = Path(model)
+    return path.name if path.name and path.exists() else model
+
+
 class ServingContext:
     def __init__(self, model_id: str, engine: Engine, tokenizer: Tokenizer, policy: Callable[..., Policy], *,
                  device: str, default_tau: float, vocab_size: int, environment: dict):
@@ -39,8 +47,8 @@ class ServingContext:
     def of(cls, llm, engine: Engine | None = None) -> ServingContext:
         """The facade's model served on its engine, or on `engine` (one built whole over the same model)."""
         engine = engine or llm.engine
-        return cls(llm.model_name, engine, llm.tokenizer, llm.policy, device=llm.device, default_tau=llm.default_tau,
-                   vocab_size=llm.config.vocab_size, environment=llm.environment())
+        return cls(served_name(llm.model_name), engine, llm.tokenizer, llm.policy, device=llm.device,
+                   default_tau=llm.default_tau, vocab_size=llm.config.vocab_size, environment=llm.environment())
 
     def weights(self, source: Mapping[str, torch.Tensor] | str | Path) -> ModelWeights:
         """New weights for the served model, built and checked whole (by transformers' tensor names and the

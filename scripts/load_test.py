@@ -251,9 +251,9 @@ async def shared_system_prompt(run: Runner, args) -> dict:
 
 async def disconnects(run: Runner, prompts, args) -> dict:
     """Streams that go away after their first tokens: how long until every KV slot is free again."""
-    async with run.client() as client:
+    n = args.max_num_seqs
+    async with run.client(n + 2) as client:  # a connection per stream: httpx's pool would hold the rest back
         before = await run.metrics(client)
-        n = args.max_num_seqs
         bodies = [body_for(prompts[i], 400, {"deterministic": True} if i % 2 else {}) for i in range(n)]
         await asyncio.gather(*(run.stream(client, p, b, stop_after=1) for p, b in bodies))
         t0 = time.perf_counter()
@@ -284,8 +284,8 @@ async def burst(run: Runner, prompts, args) -> dict:
 
 async def sigterm(run: Runner, proc: subprocess.Popen, prompts, args) -> dict:
     """SIGTERM while streams are generating: they finish; new requests are refused; the server exits 0."""
-    async with run.client() as client:
-        n = args.max_num_seqs
+    n = args.max_num_seqs
+    async with run.client(n + 2) as client:
         bodies = [body_for(prompts[i], args.max_tokens, {"deterministic": True} if i % 2 else {}) for i in range(n)]
         released = (await run.metrics(client)).get("margingate_generation_tokens_total", 0.0)
         tasks = [asyncio.ensure_future(run.stream(client, p, b)) for p, b in bodies]

@@ -22,15 +22,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+def start_server(args, stderr=subprocess.PIPE, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`margingate serve` on a free loopback port, once /health answers; `stderr`: where its log goes (a
-    file for a long run: a pipe nobody reads fills and blocks the server)."""
+    file for a long run: a pipe nobody reads fills and blocks the server); `extra`: more serve flags."""
     port = free_port()
     cmd = [sys.executable, "-m", "margingate", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
            "--max-model-len", str(args.max_model_len), "--log-level", "warning", "--shutdown-timeout", "120"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += list(extra)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MARGINGATE_API_KEY", None)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)

@@ -12,7 +12,7 @@ from margingate.engine.runner import Runner
 from margingate.engine.sequence import Request, Sequence
 from margingate.engine.verifier import Verifier
 from margingate.models.decoder import AttentionPlan
-from margingate.models.kv_cache import BlockTable, KVPool, PoolExhausted
+from margingate.models.kv_cache import BlockRefError, BlockTable, KVPool, PoolExhausted
 from margingate.policies import VerifyState
 
 # --- KVPool and BlockTable ----------------------------------------------------------------
@@ -308,3 +308,40 @@ def test_free_blocks_hand_their_pages_back_and_held_blocks_keep_their_bytes():
     for t in pool.tensors()[:2]:
         assert bool((t[:, held] == 7.0).all())
         assert int((t[:, free] == 0).sum()) >= 0.9 * t[:, free].numel()
+
+
+def test_a_double_free_is_refused_loudly():
+    """Releasing a block that holds no reference would put it on the free list twice, and two requests would
+    later share it silently: it raises, and the free list stays as it was. Sharing a free block raises too."""
+    pool = small_pool(blocks=4)
+    table = BlockTable.empty(pool)
+    table.prepare(0, 6)  # blocks 0 and 1
+    table.free()
+    assert pool.num_free == 4
+    with pytest.raises(BlockRefError, match="released twice"):
+        pool.release(0)
+    with pytest.raises(BlockRefError, match="is free"):
+        pool.retain(1)
+    assert pool.num_free == 4 and sorted(pool._free) == [0, 1, 2, 3] and not any(pool.refs)
+    assert sorted(pool.allocate() for _ in range(4)) == [0, 1, 2, 3]  # each block handed out once
+
+
+def test_int8_columns_round_trip_through_a_shared_block():
+    """An int8 cache's column (codes and scales) read from one table and written into a block that a fork shares:
+    the write copies the block first, lands the codes and scales bitwise, and leaves the sibling's bytes alone."""
+    pool = KVPool(2, 6, 4, 2, 16, dtype="int8")
+    a = BlockTable.empty(pool)
+    a.prepare(0, 8)
+    pool.write(0, torch.tensor([a.blocks]), torch.zeros(8, dtype=torch.long), torch.arange(8),
+               torch.randn(8, 2, 16).to(torch.bfloat16), torch.randn(8, 2, 16).to(torch.bfloat16))
+    pool.write(1, torch.tensor([a.blocks]), torch.zeros(8, dtype=torch.long), torch.arange(8),
+               torch.randn(8, 2, 16).to(torch.bfloat16), torch.randn(8, 2, 16).to(torch.bfloat16))
+    fork = BlockTable.empty(pool)
+    fork.share(a, 8)
+    before = [t.clone() for t in pool.tensors()]
+    column = a.read(1)
+    fork.overwrite(6, column)  # position 6: the shared second block, copied on write
+    assert fork.blocks[1] != a.blocks[1] and pool.refs[a.blocks[1]] == 1
+    assert all(torch.equal(x, y) for x, y in zip(fork.read(6), column))
+    for t, old in zip(pool.tensors(), before):  # the sibling's blocks kept their bytes
+        assert torch.equal(t[:, a.blocks], old[:, a.blocks])

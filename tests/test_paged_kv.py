@@ -107,12 +107,21 @@ def test_n_samples_share_the_prompt_blocks_and_copy_on_write(llm, ids, contiguou
 
 @pytest.mark.parametrize("policy", ["batch-invariant", "margin"])
 def test_preemption_and_recompute_give_the_same_tokens_and_logprobs(llm, ids, contiguous, policy):
-    """A pool too small for four requests at once preempts the newest (its blocks freed) and recomputes its
-    K/V through the prompt path later: every request still gets its tokens and logprobs alone, bitwise."""
+    """A pool too small for four requests at once: the reserve admits two, and a request preempted mid-decode
+    (its blocks freed) recomputes its K/V through the prompt path later: every request still gets its tokens and
+    logprobs alone, bitwise. (Every policy x the prefix cache, speculation, int8 and forks: test_preemption.py.)"""
     need = max(-(-(len(x) + NEW) // 16) for x in ids)
     eng = engine(llm, policy, blocks=2 * need + 1, max_num_seqs=4)
-    got = run(eng, ids, "p")
-    assert eng.load.preemptions > 0 and eng.load.blocks_used == 0
+    seqs = [eng.add_request(Request(x, NEW, ignore_eos=True, request_id=f"p{i}", sampling=SamplingParams(logprobs=2)))
+            for i, x in enumerate(ids)]
+    for step in range(200):
+        if step in (3, 9) and eng.scheduler.running:
+            eng.scheduler.preempt(eng.scheduler.victim())
+        eng.step()
+        if not eng.has_work:
+            break
+    got = [(r.token_ids, list(r.logprobs)) for r in map(eng.result, seqs)]
+    assert eng.load.preemptions == 2 and eng.load.blocks_used == 0
     if policy == "batch-invariant":
         assert got == contiguous
     else:  # margin promises the tokens; its logprobs are the fast path's where no check ran

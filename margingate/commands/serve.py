@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
                         "(glibc malloc_trim; 0: never)")
     p.add_argument("--cors-origins", nargs="+", default=(), metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000; * allows any")
+    p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="the names clients may give as `model`: the first is what /v1/models lists and answers carry "
+                        "(default: the model's own name; a file or folder without its directory)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     cli_args.add_model_args(p)
     cli_args.add_prefix_cache_arg(p)
@@ -74,7 +77,7 @@ def cmd_serve(args) -> None:
     config = ServerConfig(api_key=args.api_key or None, max_queue=args.max_queue, default_policy=args.default_policy,
                           default_max_tokens=args.default_max_tokens, shutdown_grace_s=args.shutdown_timeout,
                           deterministic_by_default=args.deterministic_by_default, cors_origins=tuple(args.cors_origins),
-                          heap_trim_idle_s=args.heap_trim_idle)
+                          heap_trim_idle_s=args.heap_trim_idle, served_model_names=tuple(args.served_model_name))
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
 

@@ -48,7 +48,7 @@ class Engine:
         self.detokenize = detokenize
         self.grammars = grammars    # structured output's compiler (structured.Grammars; None: no constraints)
         self.prefix = PrefixCache(self.kv, config.prefix_cache_tokens) if config.prefix_cache_tokens else None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.prefix)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.prefix, self.max_len)
         self.default_policy = default_policy
         self.step_count = 0
         self.weight_version = 0  # how many times the weights were replaced since load (`update_weights`)
@@ -191,10 +191,13 @@ class Engine:
             seq.cache.share(seq.fork_of.cache, seq.prefilled)
             seq.fork_of = None
         elif self.prefix is not None and (seq.recompute or seq.request.sampling.prompt_logprobs is None):
-            hit = self.prefix.load(seq.request.prompt_ids, seq.cache)
+            # after a preemption, its output too: the blocks it left behind (scheduler._keep_computed)
+            hit = self.prefix.load(seq.tokens(0, seq.num_tokens), seq.cache)
             seq.prefilled = hit
             if not seq.recompute:
                 seq.cached_tokens = hit
+            elif not seq.prefilling:  # every position but the last token's was still cached: decode on
+                seq.recompute = False
 
     def _prefilled(self, prefills: list[tuple[Sequence, int, int]], out: list) -> list[Sequence]:
         """After the forward: prompt logprobs, and the first token of each prompt now complete."""

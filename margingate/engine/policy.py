@@ -87,6 +87,14 @@ class Policy:
         return self.promise.guarantees_logprobs
 
     @property
+    def decode_writes_prompt_bits(self) -> bool:
+        """Do its decode rows write the K/V the prompt path would (exact attention, our kernels, bf16: a row's
+        bits do not depend on the rows beside it)? Then a preempted request's decoded positions may be kept
+        in the prefix cache like its prompt's (scheduler.py)."""
+        return (self.exact_attention and self.kernel_choice is KernelChoice.INVARIANT
+                and self.compute_dtype == torch.bfloat16)
+
+    @property
     def chosen_by(self) -> str | None:
         """What picked this policy when the caller did not name it ("auto"), for the report."""
         return self.spec.chosen_by

@@ -11,6 +11,9 @@ to it (not on the chunking, the batch or the block). Decode-written positions (f
 drifted) never lie in a kept block: only whole prompt blocks are kept, and a write into a shared block
 copies it first. At least one prompt position is always prefilled: its logits choose the first token.
 
+A preempted request leaves its computed blocks here too (scheduler.py): its prompt's, and its output's where
+its policy's decode rows write the prompt path's bits; its readmission maps them back.
+
 Bounded by `max_tokens` cached positions; the least recently used block goes first, and when the pool
 runs out the least recently used block that no request holds is freed (`KVPool.reclaim`). A hit
 touches the chain from its last block back to its first, so a parent is always younger than its
@@ -71,6 +74,17 @@ class PrefixCache:
     def _touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):
             self._blocks.move_to_end(key)
+
+    def held_by_requests(self, prompt: list[int]) -> int:
+        """How many blocks `load` would map for `prompt` that a request holds too (not free, not evictable:
+        admitting `prompt` takes none of the pool for them)."""
+        held = 0
+        for key, tokens in self._chain(prompt, len(prompt) - 1):
+            cached = self._blocks.get(key)
+            if cached is None or cached.tokens != tokens:
+                break
+            held += self.pool.refs[cached.block] > 1
+        return held
 
     def load(self, prompt: list[int], table: BlockTable) -> int:
         """Map the longest cached prefix of `prompt` (leaving its last position to compute) into the empty

@@ -46,6 +46,10 @@ class PoolExhausted(RuntimeError):
     """No free block (the scheduler preempts a request and tries again)."""
 
 
+class BlockRefError(RuntimeError):
+    """A block released with no reference left, or shared while free: a bookkeeping bug, never memory pressure."""
+
+
 def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
@@ -152,9 +156,16 @@ class KVPool:
                             device=self.k.device)
 
     def retain(self, block: int) -> None:
+        if self.refs[block] < 1:  # a free block shared: the next allocate would hand it to a second owner
+            raise BlockRefError(f"KV block {block} is free: it cannot be shared")
         self.refs[block] += 1
 
     def release(self, block: int) -> None:
+        """Drop one reference; the last puts the block back on the free list. A release with no reference left
+        is a double free: the block would land on the free list twice and two requests would later share it
+        silently (each writing the other's K/V), so it raises instead."""
+        if self.refs[block] < 1:
+            raise BlockRefError(f"KV block {block} released twice (it holds no reference): a double free")
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self._free.append(block)

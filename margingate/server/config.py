@@ -21,10 +21,16 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS headers
     # after this many idle seconds the engine thread hands the C heap's free pages back (heap.py); 0: never
     heap_trim_idle_s: float = 1.0
+    # the names clients may give as `model` (`--served-model-name`): the first is the one /v1/models lists and
+    # answers carry; none: the model's own name (a file's or folder's without its directory)
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "api_key", self.api_key or None)  # "" means no key
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names or ()))
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
+            raise ValueError(f"served_model_names must be non-empty strings, got {self.served_model_names!r}")
         if self.default_policy not in deterministic_policies():
             raise ValueError(f'default_policy must promise determinism (it is what "deterministic": true '
                              f'means): one of {", ".join(deterministic_policies())}, got {self.default_policy!r}')

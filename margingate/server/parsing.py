@@ -60,7 +60,7 @@ def validate(state: ServerState, body: dict, model_cls: type[CommonBody]) -> Com
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise BadRequest(message, param=param) from None
-    if params.model is not None and params.model != state.model_id:
+    if params.model is not None and params.model not in state.model_names:
         raise BadRequest(f"the model {params.model!r} does not exist; this server serves {state.model_id!r}",
                          param="model", status=404, code="model_not_found")
     return params

@@ -57,8 +57,8 @@ async def metrics(req: HTTPRequest):
     return Response(state_of(req).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def model_card(state: ServerState) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "margingate",
+def model_card(state: ServerState, model_id: str | None = None) -> dict:
+    return {"id": model_id or state.model_id, "object": "model", "created": state.created, "owned_by": "margingate",
             "max_model_len": state.context.max_len, "determinism": {
                 "default_policy": state.config.default_policy,
                 "default_policy_resolved": PolicySpec(state.config.default_policy).resolve(state.context.device).name,
@@ -74,10 +74,10 @@ async def models(req: HTTPRequest):
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, req: HTTPRequest):
     state = state_of(req)
-    if model_id != state.model_id:
+    if model_id not in state.model_names:
         return json_error(404, f"the model {model_id!r} does not exist; this server serves "
                                f"{state.model_id!r}", param="model", code="model_not_found")
-    return model_card(state)
+    return model_card(state, model_id)
 
 
 # --- generation: each API's endpoint over the serving core (endpoint.py) ------------------------------------

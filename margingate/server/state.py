@@ -19,7 +19,9 @@ class ServerState:
     def __init__(self, context: ServingContext, config: ServerConfig):
         self.context, self.config = context, config
         engine = self.engine = context.engine
-        self.model_id = context.model_id
+        # what `model` may say: --served-model-name's names, else the model's own; the first is listed and echoed
+        self.model_names = config.served_model_names or (context.model_id,)
+        self.model_id = self.model_names[0]
         self.created = int(time.time())
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue,
