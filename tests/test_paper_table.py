@@ -9,6 +9,7 @@ Also: `scripts/run_status.py`'s statuses, and a SIGTERM that still leaves the re
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (`pip install triton==3.7.1`)")
+# Only the child processes run Triton. Importing it here, at collection, would fix its interpreter switch for the
+# whole session before the Triton test modules set TRITON_INTERPRET=1, and their kernels would not interpret.
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (`pip install triton==3.7.1`)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = [sys.executable, str(ROOT / "results/gpu/paper_table.py"), "--device", "cpu", "--shapes", "toy-1"]
