@@ -175,6 +175,7 @@ def test_no_admission_right_after_a_preemption_and_the_victim_is_the_least_progr
     assert eng.scheduler.admit() == [b, late] and b.recompute
 
 
+@pytest.mark.slow
 def test_a_tight_pool_preempts_rarely_and_recovers(llm, ids, monkeypatch):
     """Six speculating requests in a pool that holds about three, the reserve switched off at the start (admission
     as greedy as before it existed): the pool runs out while proposals are pending, the reserve comes back at full
@@ -227,6 +228,7 @@ def test_a_victim_maps_its_kept_blocks_back_through_the_prefix_cache(llm, ids, a
     assert (r.token_ids, r.logprobs) == alone.get(name, ids[2])
 
 
+@pytest.mark.slow
 def test_sixty_four_requests_run_at_once(llm, ids, alone):
     """max_num_seqs 64 (the default): 64 requests (the three prompts in turn, batch-invariant and margin
     in turn) run in the same steps, 64 decode rows a step, and each equals its prompt alone."""

@@ -208,7 +208,7 @@ def whole(http):
 LONG = 24
 
 
-@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+@pytest.mark.parametrize("mode", ["abort", pytest.param("wait", marks=pytest.mark.slow), "keep"])
 def test_a_pause_during_a_stream_follows_its_mode(server, http, original, whole, mode):
     """/pause, the weights swapped under it (keep: with the request in place), /resume: what the stream gets."""
     version = server.engine.weight_version

@@ -176,6 +176,7 @@ def test_rotary_tables_follow_the_positions_device():
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
 
 
+@pytest.mark.slow  # the interpreter's forward and backward: the default tier holds the compiled path to the engine
 def test_trainable_model_on_triton_is_the_triton_engine_bitwise(hf_folder, model):
     """The trainable model over the Triton kernels: three prompts in one right-padded batch give each prompt's
     logits as the Triton engine computes it alone, bitwise, and the backward reaches every parameter."""
