@@ -69,7 +69,7 @@ def grpo_loss(new: list[torch.Tensor], old: list[list[float]], ref: list[torch.T
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
         kl = torch.exp(lp_ref - lp) - (lp_ref - lp) - 1
         losses.append((-surrogate + beta * kl).mean())
-        kls.append(float(kl.mean()))
+        kls.append(float(kl.detach().mean()))
     return torch.stack(losses).mean(), sum(kls) / len(kls)
 
 
