@@ -124,6 +124,18 @@ def test_each_ops_backward_passes_gradcheck_in_fp64(op):
         assert torch.autograd.gradcheck(fn, inputs)
 
 
+def test_attention_backward_keeps_its_own_layers_window():
+    """The model moves one site from layer to layer (its window changes with the layer): a backward must use
+    the window its forward ran with."""
+    q, k, v = _fp64(6, 2, 3), _fp64(6, 1, 3, seed=1), _fp64(6, 1, 3, seed=2)
+    site = A.AttentionSite(None, None, [0, 6], 0.5, window=2)
+    out = A.attention(q, k, v, site)
+    site.window = 0  # the next layer's
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(A.attention_ref(q, k, v, [0, 6], 0.5, 2).sum(), (q, k, v))
+    assert all(torch.allclose(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("op", ["linear", "rmsnorm", "silu", "gelu", "attention"])
 def test_each_ops_kernel_computes_the_math_its_backward_differentiates(op):
     """A backward is only right for the forward it pairs with: each kernel's bf16 result is the plain math's

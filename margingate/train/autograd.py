@@ -177,7 +177,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, site):
         ctx.save_for_backward(q, k, v)
-        ctx.site = site
+        ctx.args = (site.starts, site.scale, site.window)  # the site's window changes with the next layer
         if not _kernel(q, k, v):
             return attention_ref(q, k, v, site.starts, site.scale, site.window)
         rows = site.rows
@@ -187,8 +187,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
-        s = ctx.site
-        return (*vjp(lambda a, b, c: attention_ref(a, b, c, s.starts, s.scale, s.window), (q, k, v), grad), None)
+        starts, scale, window = ctx.args
+        return (*vjp(lambda a, b, c: attention_ref(a, b, c, starts, scale, window), (q, k, v), grad), None)
 
 
 class _Route(torch.autograd.Function):
