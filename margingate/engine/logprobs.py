@@ -56,7 +56,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         lse = invariant.logsumexp_rows(rows)
         ctx.save_for_backward(rows, tokens, lse)
-        return rows[torch.arange(rows.shape[0]), tokens] - lse
+        return _at(rows, tokens, lse)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -66,13 +66,19 @@ class _LogSoftmaxAt(torch.autograd.Function):
         return out, None
 
 
+def _at(rows: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """row[token] - lse(row): a token's logprob, the one formula."""
+    return rows[torch.arange(rows.shape[0]), tokens] - lse
+
+
 def logprobs_of(rows: torch.Tensor | DeviceRows, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """Row r's logprob of tokens[r] (`token_logprobs` of the rows as given: the raw logits or the processed
-    distribution), and its k best tokens (rows left on the device are read back)."""
+    """Row r's logprob of tokens[r] (`token_logprobs`'s formula, of the rows as given: the raw logits or the
+    processed distribution), and its k best tokens (rows left on the device are read back)."""
     rows = host(rows)
     rows = rows.reshape(-1, rows.shape[-1]).float()
-    picked = token_logprobs(rows, torch.tensor(tokens, dtype=torch.long))
-    tops = top_k(rows, invariant.logsumexp_rows(rows), k) if k and len(tokens) else [()] * len(tokens)
+    lse = invariant.logsumexp_rows(rows)  # once, for the picked tokens and the alternatives
+    picked = _at(rows, torch.tensor(tokens, dtype=torch.long), lse)
+    tops = top_k(rows, lse, k) if k and len(tokens) else [()] * len(tokens)
     return [TokenLogprob(t, float(lp), top) for t, lp, top in zip(tokens, picked.tolist(), tops)]
 
 

@@ -75,29 +75,29 @@ class PrefixCache:
         for key in reversed(keys):
             self._blocks.move_to_end(key)
 
-    def held_by_requests(self, prompt: list[int]) -> int:
-        """How many blocks `load` would map for `prompt` that a request holds too (not free, not evictable:
-        admitting `prompt` takes none of the pool for them)."""
-        held = 0
+    def _cached_run(self, prompt: list[int]) -> list[tuple[bytes, _Block]]:
+        """The longest run of `prompt`'s whole blocks the cache holds, leaving its last position to compute."""
+        run = []
         for key, tokens in self._chain(prompt, len(prompt) - 1):
             cached = self._blocks.get(key)
             if cached is None or cached.tokens != tokens:
                 break
-            held += self.pool.refs[cached.block] > 1
-        return held
+            run.append((key, cached))
+        return run
+
+    def held_by_requests(self, prompt: list[int]) -> int:
+        """How many blocks `load` would map for `prompt` that a request holds too (not free, not evictable:
+        admitting `prompt` takes none of the pool for them)."""
+        return sum(self.pool.refs[cached.block] > 1 for _, cached in self._cached_run(prompt))
 
     def load(self, prompt: list[int], table: BlockTable) -> int:
         """Map the longest cached prefix of `prompt` (leaving its last position to compute) into the empty
         `table`; returns how many positions it holds."""
-        hit = []
-        for key, tokens in self._chain(prompt, len(prompt) - 1):
-            cached = self._blocks.get(key)
-            if cached is None or cached.tokens != tokens:
-                break
+        run = self._cached_run(prompt)
+        for _, cached in run:
             table.append_shared(cached.block)
-            hit.append(key)
-        self._touch(hit)
-        n = len(hit) * self.block
+        self._touch([key for key, _ in run])
+        n = len(run) * self.block
         self.stats.hits += bool(n)
         self.stats.misses += not n
         self.stats.reused_tokens += n
