@@ -67,16 +67,17 @@ def determinism_report(state: ServerState, job: Job, choice: Choice, result: Res
                 **({"prompt_logprobs_guaranteed": True} if sp.prompt_logprobs is not None else {})}
     # kept in place across a weight swap (pause.py): two models chose its tokens, so no single run repeats it
     kept = promise.deterministic and "weight_versions" in result.stats
+    guaranteed = promise.deterministic and not kept
     return finite({
         # three names clients already read, one fact
-        "deterministic": promise.deterministic and not kept,
-        "batch_invariant": promise.deterministic and not kept,
-        "guaranteed": promise.deterministic and not kept,
+        "deterministic": guaranteed,
+        "batch_invariant": guaranteed,
+        "guaranteed": guaranteed,
         **logprobs,
         **({"logprobs_guaranteed": False} if kept and "logprobs_guaranteed" in logprobs else {}),
         **({"warning": KEPT_ACROSS_SWAP} if kept else {}),
-        # the weights it ran under (the environment's model_fingerprint names those loaded at start)
-        "weight_version": state.engine.weight_version,
+        # the stats carry `weight_version`, the weights it ran under (Engine.result; the environment's
+        # model_fingerprint names those loaded at start)
         **result.stats,
         "temperature": sp.temperature,
         "seed": sp.seed if sp.temperature > 0 else None,
