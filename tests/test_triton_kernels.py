@@ -92,12 +92,13 @@ def caches(dtype=torch.bfloat16):
 def attend(q, kc, vc, slots, lengths, scale, window=0):
     """`mt.attention` over the slot caches [S, HKV, L, D] laid out as one layer's paged cache, blocks of 16
     positions in a shuffled order (request s: block table s)."""
-    per = L // 16
-    tables = torch.randperm(S * per, generator=torch.Generator().manual_seed(3)).view(S, per).to(DEV)
+    slots_n, hkv, length, d = kc.shape  # the module's toy sizes, or the CUDA test's real ones
+    per = length // 16
+    tables = torch.randperm(slots_n * per, generator=torch.Generator().manual_seed(3)).view(slots_n, per).to(DEV)
 
     def pages(x):
-        out = torch.empty(S * per, HKV, 16, D, dtype=x.dtype, device=DEV)
-        out[tables.flatten()] = x.view(S, HKV, per, 16, D).transpose(1, 2).reshape(-1, HKV, 16, D)
+        out = torch.empty(slots_n * per, hkv, 16, d, dtype=x.dtype, device=DEV)
+        out[tables.flatten()] = x.view(slots_n, hkv, per, 16, d).transpose(1, 2).reshape(-1, hkv, 16, d)
         return out
 
     none = torch.empty(0, device=DEV)
