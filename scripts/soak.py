@@ -91,9 +91,23 @@ def responses_request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
     return "/v1/responses", body
 
 
-def request(shape: str, k: int, max_tokens: int) -> tuple[str, dict]:
+def long_document(k: int, pool: int, tokens: int) -> str:
+    """Prompt k of the long shape: a log of distinct records, about tokens * (k + 1) / pool tokens (2.4 characters a
+    token on SmolLM2's vocabulary: the records are mostly digits), so the pool spans short to `tokens` long."""
+    want, lines, i = 12 * tokens * (k + 1) // (5 * pool), [], 0
+    while sum(map(len, lines)) < want:
+        lines.append(f"Record {k}-{i}: {TOPICS[(i * 3 + k) % len(TOPICS)]} seen near {CITIES[(i * 5) % len(CITIES)]}, "
+                     f"{(i * 37 + k) % 1000} units.\n")
+        i += 1
+    return "".join(lines) + "The last record says:"
+
+
+def request(shape: str, k: int, max_tokens: int, long_tokens: int = 0, pool: int = 1) -> tuple[str, dict]:
     """Request k of `shape`, greedy, with logprobs where the API has them, without a policy or `stream`:
     (path, body)."""
+    if shape == "long":
+        return "/v1/completions", {"prompt": long_document(k, pool, long_tokens), "max_tokens": max_tokens,
+                                   "logprobs": 2}
     if shape.startswith("responses"):
         return responses_request(shape, k, max_tokens)
     if shape == "completion":
@@ -123,6 +137,11 @@ class Soak:
         self.by_shape: dict[str, Counter] = {}  # "shape" or "shape stream" -> checked, equal
         self.alone: dict[tuple[str, int], Answer] = {}
         self.problems: list[str] = []
+        # the long shape, when asked for, as likely as all the others together
+        self.shapes = SHAPES + ("long",) * len(SHAPES) if args.long_tokens else SHAPES
+
+    def request(self, shape: str, k: int) -> tuple[str, dict]:
+        return request(shape, k, self.args.max_tokens, self.args.long_tokens, self.args.pool)
 
     def problem(self, what: str) -> None:
         self.counts["problems"] += 1
@@ -146,17 +165,17 @@ class Soak:
 
     async def alone_runs(self, pool: int) -> None:
         """Every distinct request once, alone, under reference (no other traffic yet)."""
-        todo = [(shape, k) for shape in SHAPES for k in range(pool)]
+        todo = [(shape, k) for shape in self.shapes for k in range(pool)]
         for shape, k in tqdm(todo, desc="alone-runs", unit="req"):
-            path, body = request(shape, k, self.args.max_tokens)
+            path, body = self.request(shape, k)
             a = await post(self.client, path, {**body, **POLICIES["reference"]})
             if a.status != 200:
                 raise SystemExit(f"the alone-run of {shape} {k} failed: {a.status} {a.error}")
             self.alone[shape, k] = a
 
     async def answer(self, rng: random.Random) -> None:
-        shape, k, policy = rng.choice(SHAPES), rng.randrange(self.args.pool), rng.choice(list(POLICIES))
-        path, body = request(shape, k, self.args.max_tokens)
+        shape, k, policy = rng.choice(self.shapes), rng.randrange(self.args.pool), rng.choice(list(POLICIES))
+        path, body = self.request(shape, k)
         body = {**body, **POLICIES[policy]}
         if policy in SPECULATING and shape in TEXT_SHAPES and rng.random() < 0.25:
             body["speculative"] = {"method": "ngram"}
@@ -314,6 +333,10 @@ def parse_args(argv):
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="server torch threads (default: all cores)")
+    p.add_argument("--long-tokens", type=int, default=0,
+                   help="add a shape of long completions (prompts up to about this many tokens; half the answers)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GB",
+                   help="the server's K/V pool (small: forces preemption)")
     p.add_argument("--rss-every", type=float, default=10.0, help="seconds between VmRSS samples")
     p.add_argument("--idle-s", type=float, default=10.0,
                    help="seconds idle before the baseline VmRSS (after the alone-runs) and before the last one")
@@ -331,7 +354,8 @@ def main(argv=None) -> int:
     proc, url, pid = None, args.url, args.pid
     if url is None:
         with open(out / "server.log", "w") as log:
-            proc, url = start_server(args, stderr=log)
+            extra = ("--kv-cache-memory", str(args.kv_cache_memory)) if args.kv_cache_memory else ()
+            proc, url = start_server(args, stderr=log, extra=extra)
         pid = proc.pid
     try:
         report = asyncio.run(run(url, pid, args))
@@ -342,7 +366,7 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg_1m": os.getloadavg()[0],
               "config": {k: getattr(args, k) for k in ("clients", "minutes", "seed", "pool", "max_tokens",
                                                        "max_num_seqs", "max_queue", "max_model_len", "threads",
-                                                       "rss_every", "idle_s")},
+                                                       "rss_every", "idle_s", "long_tokens", "kv_cache_memory")},
               "host": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine()},
               "server_exit_code": exit_code, **report}
     report["ok"] = report["ok"] and (proc is None or exit_code == 0)

@@ -153,11 +153,11 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, cancel_after:
     return a
 
 
-GAUGES = ("prefix_cache_tokens", "heap_trims_total", "heap_released_bytes_total")
+GAUGES = ("prefix_cache_tokens", "heap_trims_total", "heap_released_bytes_total", "kv_preemptions")
 
 
 async def gauges(client: httpx.AsyncClient) -> dict:
-    """The server's GAUGES from /metrics (the prefix cache's positions, the idle heap trims)."""
+    """The server's GAUGES from /metrics (the prefix cache's positions, the idle heap trims, the preemptions)."""
     values = {}
     for line in (await client.get("/metrics")).text.splitlines():
         name, _, value = line.partition(" ")
