@@ -165,7 +165,7 @@ class Soak:
 
     async def alone_runs(self, pool: int) -> None:
         """Every distinct request once, alone, under reference (no other traffic yet)."""
-        todo = [(shape, k) for shape in self.shapes for k in range(pool)]
+        todo = [(shape, k) for shape in dict.fromkeys(self.shapes) for k in range(pool)]
         for shape, k in tqdm(todo, desc="alone-runs", unit="req"):
             path, body = self.request(shape, k)
             a = await post(self.client, path, {**body, **POLICIES["reference"]})
