@@ -142,7 +142,7 @@ def reach_throughs(source: str, name: str) -> list[str]:
 
 def test_the_server_reaches_neither_the_facade_nor_into_the_engine():
     """What it serves comes from `serving_context.ServingContext` (built from the facade below the server)."""
-    found = [f for path in sorted(SERVER.glob("*.py")) for f in reach_throughs(path.read_text(), path.name)]
+    found = [f for path in sorted(SERVER.rglob("*.py")) for f in reach_throughs(path.read_text(), path.name)]
     assert found == []
 
 

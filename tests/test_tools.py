@@ -16,9 +16,9 @@ pytest.importorskip("fastapi")
 from server_fixtures import MODEL, chat  # noqa: E402
 from test_server_logprobs import Load  # noqa: E402
 
-from margingate.server import tool_format  # noqa: E402
-from margingate.server.bodies import ChatCompletionRequest  # noqa: E402
-from margingate.server.tools import constraint, parse  # noqa: E402
+from margingate.server.core.tools import constraint, parse  # noqa: E402
+from margingate.server.parsers import tool_format  # noqa: E402
+from margingate.server.protocol.bodies import ChatCompletionRequest  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {

@@ -10,7 +10,7 @@ import sys
 from .. import cli_args
 from ..distributed.options import add_ray_args
 from ..options import deterministic_policies
-from ..server.config import ServerConfig
+from ..server.core.config import ServerConfig
 
 LOOPBACK_NAMES = {"localhost"}
 

@@ -12,12 +12,12 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
+from ...data.prompts import Prompt
+from ..core.parsing import json_object, read_body, validate
+from ..core.state import ServerState
+from ..protocol.common import BadRequest
+from ..protocol.errors import json_error
 from .chat import CHAT
-from .errors import json_error
-from .parsing import json_object, read_body, validate
-from .protocol import BadRequest
-from .state import ServerState
 
 router = APIRouter()
 

@@ -10,10 +10,10 @@ from fastapi import Request as HTTPRequest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Request
-from ..engine.policy import Policy
-from ..engine.structured import AfterReasoning
-from ..options import (
+from ...engine import Request
+from ...engine.policy import Policy
+from ...engine.structured import AfterReasoning
+from ...options import (
     PolicyOptionError,
     PolicySpec,
     SamplingError,
@@ -22,12 +22,12 @@ from ..options import (
     SpeculativeError,
     deterministic_policies,
 )
-from ..options.structured import StructuredError, StructuredOutput
+from ...options.structured import StructuredError, StructuredOutput
+from ..parsers.reasoning import Reasoning
+from ..protocol.common import BadRequest, CommonBody, parse_json_body, validation_message
 from . import tools
 from .constraints import compiled
 from .jobs import Choice, Job
-from .protocol import BadRequest, CommonBody, parse_json_body, validation_message
-from .reasoning import Reasoning
 from .state import ServerState
 
 

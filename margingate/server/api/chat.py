@@ -9,16 +9,16 @@ from collections.abc import Iterator
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
-from . import tools
-from .bodies import ChatCompletionRequest
+from ...data.prompts import Prompt
+from ..core import tools
+from ..core.events import Outcome
+from ..core.jobs import Choice, Job
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter
+from ..parsers.reasoning import Reasoning
+from ..protocol.bodies import ChatCompletionRequest
+from ..protocol.common import BadRequest
 from .endpoint import Endpoint
-from .events import Outcome
-from .jobs import Choice, Job
-from .protocol import BadRequest
-from .reasoning import Reasoning
-from .state import ServerState
-from .streaming import ChunkWriter
 
 
 class ChatEndpoint(Endpoint):

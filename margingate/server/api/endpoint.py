@@ -11,15 +11,15 @@ from typing import ClassVar
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from . import sdk_fields
-from .errors import QueueFull, ShuttingDown, route_error
-from .events import Handle, Outcome
-from .jobs import Choice, Job, abort_all, complete, completion_body, next_event
-from .parsing import build_job, read_params
-from .protocol import BadRequest
-from .reasoning import Reasoning
-from .state import ServerState
-from .streaming import ChunkWriter, EventStream, stream
+from ..core.events import Handle, Outcome
+from ..core.jobs import Choice, Job, abort_all, complete, completion_body, next_event
+from ..core.parsing import build_job, read_params
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter, EventStream, stream
+from ..parsers.reasoning import Reasoning
+from ..protocol import sdk_fields
+from ..protocol.common import BadRequest
+from ..protocol.errors import QueueFull, ShuttingDown, route_error
 
 log = logging.getLogger("margingate.server")
 

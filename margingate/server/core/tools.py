@@ -30,12 +30,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..options.structured import StructuredOutput
-from . import tool_format
-from .answer import Answer, PlainParser
-from .call_parser import CallParser
-from .formats import NamedToolChoice
-from .protocol import BadRequest
+from ...options.structured import StructuredOutput
+from ..parsers import tool_format
+from ..parsers.answer import Answer, PlainParser
+from ..parsers.call_parser import CallParser
+from ..protocol.common import BadRequest
+from ..protocol.formats import NamedToolChoice
 
 
 def template_format(chat_template: str | None) -> str | None:

@@ -29,17 +29,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request as HTTPRequest
 
-from .answer import Answer
-from .call_parser import Piece
+from ..core.events import Handle, Outcome
+from ..core.jobs import Job, abort_all, determinism_report, merged, usage
+from ..core.parsing import build_job, json_object, read_body, validate
+from ..core.state import ServerState
+from ..parsers.answer import Answer
+from ..parsers.call_parser import Piece
+from ..protocol.common import BadRequest
+from ..protocol.errors import RequestFailed
+from ..protocol.logprobs import LogprobFormatter
 from .chat import ChatEndpoint
-from .errors import RequestFailed
-from .events import Handle, Outcome
-from .jobs import Job, abort_all, determinism_report, merged, usage
-from .logprobs import LogprobFormatter
-from .parsing import build_job, json_object, read_body, validate
-from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
-from .state import ServerState
 
 
 def item_id(prefix: str) -> str:

@@ -12,14 +12,14 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..engine import Request, Result
-from ..engine.policy import Policy
+from ...engine import Request, Result
+from ...engine.policy import Policy
+from ..parsers.answer import Answer
+from ..parsers.reasoning import Reasoning, ReasoningParser
+from ..protocol.common import finite
+from ..protocol.errors import RequestFailed, route_error
 from . import tools
-from .answer import Answer
-from .errors import RequestFailed, route_error
 from .events import Event, Handle, Outcome
-from .protocol import finite
-from .reasoning import Reasoning, ReasoningParser
 from .state import ServerState
 
 

@@ -8,15 +8,15 @@ from collections.abc import Iterator
 
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
-from .bodies import CompletionRequest
+from ...data.prompts import Prompt
+from ..core.events import Outcome
+from ..core.jobs import Choice, Job
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter
+from ..protocol.bodies import CompletionRequest
+from ..protocol.common import BadRequest
+from ..protocol.logprobs import merge_completion
 from .endpoint import Endpoint
-from .events import Outcome
-from .jobs import Choice, Job
-from .logprobs import merge_completion
-from .protocol import BadRequest
-from .state import ServerState
-from .streaming import ChunkWriter
 
 
 class CompletionsEndpoint(Endpoint):
