@@ -13,6 +13,7 @@ from ..core.events import Outcome
 from ..core.jobs import Choice, Job
 from ..core.state import ServerState
 from ..core.streaming import ChunkWriter
+from ..core.tools import ToolPlan
 from ..protocol.bodies import CompletionRequest
 from ..protocol.common import BadRequest
 from ..protocol.logprobs import merge_completion
@@ -26,7 +27,7 @@ class CompletionsEndpoint(Endpoint):
     logprob_names = {"prompt_logprobs": "logprobs"}
     object_name = chunk_object = "text_completion"
 
-    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
+    async def prompts(self, state: ServerState, params, plan: ToolPlan) -> list[tuple[list[int], str | None]]:
         out = []
         for i, p in enumerate(params.prompt):
             if isinstance(p, list):

@@ -92,8 +92,8 @@ def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> d
             "instructions": p.instructions, "max_output_tokens": p.max_output_tokens,
             "temperature": chat.greedy_temperature, "top_p": 1.0 if chat.top_p is None else chat.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in p.tools or []],
-            "tool_choice": (p.tool_choice.model_dump() if isinstance(p.tool_choice, FunctionChoice)
-                            else p.tool_choice or ("auto" if p.tools else "none")),
+            # the plan's mode ("auto" where tools came without a choice); a named one in this API's shape
+            "tool_choice": p.tool_choice.model_dump() if isinstance(p.tool_choice, FunctionChoice) else job.tools.mode,
             "parallel_tool_calls": p.parallel_tool_calls is not False, "text": {"format": text_format or
                                                                                  {"type": "text"}},
             "reasoning": None, "store": False, "previous_response_id": None, "truncation": "disabled",

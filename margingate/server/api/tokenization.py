@@ -34,7 +34,8 @@ async def _ids(state: ServerState, body: dict) -> list[int]:
     special = _flag(body, "add_special_tokens", "messages" not in body)  # a template writes its own
     if "messages" in body:
         params = validate(state, body, CHAT.body)
-        return (await CHAT.prompts(state, params, CHAT.tool_mode(params)))[0][0]
+        plan = await run_in_threadpool(CHAT.tool_plan, state, params)
+        return (await CHAT.prompts(state, params, plan))[0][0]
     text = body.pop("prompt", None)
     if not isinstance(text, str) or set(body) - {"model"}:
         raise BadRequest("tokenize takes {\"prompt\": text} or a chat body with \"messages\"", param="prompt")
