@@ -22,7 +22,7 @@ from .options import (
     SpeculativeError,
     parse_tau,
 )
-from .options.engine import PREFIX_CACHE_TOKENS, STEP_GRAPHS
+from .options.engine import PREFIX_CACHE_TOKENS, engine_knobs, knob_type
 from .options.weights import QUANTIZE, WEIGHTS
 
 # --- argument types: each names the problem in its message -------------------------------
@@ -93,24 +93,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "CPU); exact: kept quantized, the tokens and logprobs of bf16 at the file's size; "
                         "bf16: dequantize all")
     add_quantize_arg(p, "at load, as `margingate export --quantize` writes them: the same tokens and logprobs")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: all cores; the tokens do not depend on it)")
-    p.add_argument("--max-model-len", type=int_at_least(2), default=None,
-                   help="positions per request (prompt + output; default: the model's own context, within the KV pool)")
-    p.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GB",
-                   help="the KV pool's size (default: 40%% of the memory available at start, at most what "
-                        "--max-num-seqs full-context requests need); pages become resident as blocks are used")
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "int8"),
-                   help="int8: each position's K and V quantized per head with an fp32 scale (half the bytes)")
-    p.add_argument("--kv-block-size", type=positive_int, default=16, metavar="N", help="positions per KV block")
-    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
-                   help="prompt positions per request per step, sharing steps with decode rows (default: as many "
-                        "as --max-num-batched-tokens leaves)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, metavar="N",
-                   help="rows per step: every decode row, then prompt chunks, oldest request first")
-    p.add_argument("--step-graphs", default="auto", choices=STEP_GRAPHS,
-                   help="forwards of up to 512 rows padded to buckets and recorded once each: auto (CUDA graphs on "
-                        "a GPU, none on CPU), cuda, stand-in (the same buckets run eagerly), off")
+    add_engine_args(p, [name for name in engine_knobs() if name != "max_num_seqs"])  # that one: per command
+
+
+def add_engine_args(p, names: list[str]) -> None:
+    """The flags of the engine knobs `names` (those that have one), each as `options/engine.py` declares it:
+    its flag, type and bounds, choices, default and help."""
+    knobs = engine_knobs()
+    for name in names:
+        f, k = knobs[name]
+        if k.flag == "":
+            continue
+        kind = knob_type(f)
+        parse = (int_at_least(int(k.minimum)) if kind is int and k.minimum is not None
+                 else positive_float if kind is float and k.minimum == 0 and k.above else kind)
+        p.add_argument(flag(name), type=None if k.choices else parse, choices=k.choices, default=f.default,
+                       metavar=k.metavar, help=k.help.replace("%", "%%"))  # argparse formats help with %
+
+
+def flag(name: str) -> str:
+    """An engine knob's command-line flag: its declared one, or "--" and its name's words."""
+    declared = engine_knobs()[name][1].flag
+    return declared or "--" + name.replace("_", "-")
+
+
+def engine_options(args, max_num_seqs: int) -> dict:
+    """The engine knobs as `LLM` takes them: every knob with a flag read from `args`, `max_num_seqs` (each command
+    says its own), and the prefix cache's switch (`--no-prefix-cache`; off where a command has no such flag)."""
+    options = {name: getattr(args, flag(name).removeprefix("--").replace("-", "_"))
+               for name, (_, k) in engine_knobs().items() if k.flag != "" and name != "max_num_seqs"}
+    return {**options, "max_num_seqs": max_num_seqs,
+            "prefix_cache_tokens": PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0}
 
 
 def add_quantize_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -269,10 +282,4 @@ def llm(args, max_num_seqs: int):
     from .llm import LLM  # loads torch and the kernels: only when a command runs
 
     return LLM(args.model, device=args.device, kernels=args.kernels, weights=args.weights, quantize=args.quantize,
-               max_num_seqs=max_num_seqs,
-               draft_model=getattr(args, "draft_model", None),
-               max_model_len=args.max_model_len, num_threads=args.threads, prefill_chunk=args.prefill_chunk,
-               prefix_cache_tokens=PREFIX_CACHE_TOKENS if getattr(args, "prefix_cache", False) else 0,
-               kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-               kv_block_size=args.kv_block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-               step_graphs=args.step_graphs)
+               draft_model=getattr(args, "draft_model", None), **engine_options(args, max_num_seqs))

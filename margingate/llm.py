@@ -24,6 +24,7 @@ from .models.named import DEFAULT_MODEL
 from .models.quantize import check_source, quantize_state
 from .models.tokenizer import Tokenizer
 from .options import DEFAULT_TAU, PolicySpec, SamplingParams, SpeculativeConfig
+from .options.engine import engine_config
 from .options.weights import QUANT_CONTRACT, check_weights
 from .policies import Policy, build
 from .profiles import load_profile
@@ -60,13 +61,14 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", max_num_seqs: int = 64,
-                 max_model_len: int | None = None, num_threads: int | None = None, policy: str = "fast",
-                 prefill_chunk: int | None = None, prefix_cache_tokens: int = 0, draft_model: str | None = None,
-                 kernels: str = "auto", weights: str = "auto", quantize: str | None = None,
-                 kv_cache_memory: float | None = None, kv_cache_dtype: str = "bfloat16", kv_block_size: int = 16,
-                 max_num_batched_tokens: int = 4096, step_graphs: str = "auto"):
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu", policy: str = "fast",
+                 draft_model: str | None = None, kernels: str = "auto", weights: str = "auto",
+                 quantize: str | None = None, **engine):
+        """`engine`: the engine's knobs by name (max_num_seqs, max_model_len, num_threads, kv_cache_memory,
+        kv_cache_dtype, kv_block_size, prefill_chunk, max_num_batched_tokens, prefix_cache_tokens, step_graphs,
+        ...), each declared once with its default in options/engine.py's `EngineConfig`."""
         started = time.perf_counter()
+        config = engine_config(engine)  # a bad knob fails before anything loads
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         check_weights(weights, quantize)
@@ -86,11 +88,6 @@ class LLM:
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
         self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
-                              prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
-                              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                              kv_block_size=kv_block_size, max_num_batched_tokens=max_num_batched_tokens,
-                              step_graphs=step_graphs)
         draft = self._load_draft(draft_model, config) if draft_model is not None else None
         self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
                              detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)

@@ -21,8 +21,8 @@ Starts `margingate serve` on loopback (or uses `--url`; give `--pid` for its mem
 It reports requests sent and served, 4xx, 5xx, deterministic answers checked / equal (also per shape) and the
 server's VmRSS (/proc/PID/status; OUT/soak.json, OUT/soak.md): at start; after the alone-runs and `--idle-s`
 seconds idle (the baseline); once idle after the soak and `--idle-s` seconds later (the end: an idle server
-hands its free heap pages back after a second, margingate/server/heap.py, so both ends are measured alike), and every
-`--rss-every` seconds throughout (the curve, OUT/rss.png: a plateau or a slope). Exit 1 on a 5xx, a mismatch,
+hands its free heap pages back after a second, margingate/server/core/heap.py, so both ends are measured alike),
+and every `--rss-every` seconds throughout (the curve, OUT/rss.png: a plateau or a slope). Exit 1 on a 5xx, a mismatch,
 an unexpected status, a lost answer, or a server not idle once the clients stop.
 """
 from __future__ import annotations

@@ -142,7 +142,7 @@ def reach_throughs(source: str, name: str) -> list[str]:
 
 def test_the_server_reaches_neither_the_facade_nor_into_the_engine():
     """What it serves comes from `serving_context.ServingContext` (built from the facade below the server)."""
-    found = [f for path in sorted(SERVER.glob("*.py")) for f in reach_throughs(path.read_text(), path.name)]
+    found = [f for path in sorted(SERVER.rglob("*.py")) for f in reach_throughs(path.read_text(), path.name)]
     assert found == []
 
 
@@ -152,3 +152,39 @@ def test_a_reach_through_is_caught():
     assert reach_throughs(planted, "p.py") == ["p.py:1 names the facade (llm)",
                                                "p.py:2 reaches through: state.llm.engine.draft",
                                                "p.py:3 reaches through: state.context.engine.grammars.compile"]
+
+
+# --- the server's rooms: top -> api -> core -> parsers, protocol ---------------------------------------------
+
+#: each room of margingate/server and the rooms it may import ("top": the modules at the top, app.py, routes.py, ...)
+SERVER_ROOMS = {"top": {"api", "core", "parsers", "protocol"}, "api": {"core", "parsers", "protocol"},
+                "core": {"parsers", "protocol"}, "parsers": set(), "protocol": set()}
+
+
+def server_room(module: str) -> str:
+    """margingate.server.core.jobs -> core; margingate.server.app (or the package itself) -> top."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in SERVER_ROOMS else "top"
+
+
+def server_arrows() -> dict[str, set[str]]:
+    """{server module: the server modules it imports}."""
+    return {module_name(p): {t for t in imports(p) if t.startswith("margingate.server")} for p in SERVER.rglob("*.py")}
+
+
+def room_violations(arrows: dict[str, set[str]]) -> list[str]:
+    return [f"{m} ({server_room(m)}) imports {t} ({server_room(t)})" for m in sorted(arrows)
+            for t in sorted(arrows[m]) if server_room(t) != server_room(m)
+            and server_room(t) not in SERVER_ROOMS[server_room(m)]]
+
+
+def test_the_server_rooms_point_one_way():
+    arrows = server_arrows()
+    assert {server_room(m) for m in arrows} == set(SERVER_ROOMS)  # every room exists
+    assert all(p.parent == SERVER or p.parent.parent == SERVER for p in SERVER.rglob("*.py"))  # one level of rooms
+    assert room_violations(arrows) == []
+
+
+def test_an_upward_room_import_is_caught():
+    planted = {**server_arrows(), "margingate.server.core.jobs": {"margingate.server.api.chat"}}
+    assert room_violations(planted) == ["margingate.server.core.jobs (core) imports margingate.server.api.chat (api)"]

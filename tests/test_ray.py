@@ -128,7 +128,7 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
 
     from margingate.distributed.serve import APP_NAME, deployment
     from margingate.server.app import create_app
-    from margingate.server.config import ServerConfig
+    from margingate.server.core.config import ServerConfig
 
     pool.shutdown()  # the replicas take the instance's 2 CPUs
     port = _free_port()

@@ -30,7 +30,7 @@ def test_its_config_and_template_are_read(qwen):
     cfg = qwen.engine.model.config
     assert (cfg.architecture, cfg.num_layers, cfg.max_position) == ("Qwen2ForCausalLM", 24, 32768)
     assert cfg.attention_bias and not cfg.tie_embeddings  # the file carries output.weight
-    assert "<tool_call>" in qwen.tokenizer.hf.chat_template  # its own tool format (server/tools.py: hermes)
+    assert "<tool_call>" in qwen.tokenizer.hf.chat_template  # its own tool format (server/core/tools.py: hermes)
 
 
 def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(qwen):

@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 from server_fixtures import MODEL, TIMEOUT, make_server  # noqa: E402
 
 from margingate.cli import build_parser  # noqa: E402
-from margingate.server.config import ServerConfig  # noqa: E402
+from margingate.server.core.config import ServerConfig  # noqa: E402
 from margingate.serving_context import served_name  # noqa: E402
 
 

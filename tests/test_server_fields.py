@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 
 from server_fixtures import MODEL, chat, make_server  # noqa: E402
 
-from margingate.server.sdk_fields import IGNORED_HEADER  # noqa: E402
+from margingate.server.protocol.sdk_fields import IGNORED_HEADER  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}}
 

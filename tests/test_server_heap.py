@@ -1,5 +1,5 @@
 """The server gives the C heap's free pages back once idle (issue 47's soak: VmRSS stepped up under traffic
-and stayed there, free memory kept in glibc's arenas; `margingate/server/heap.py`).
+and stayed there, free memory kept in glibc's arenas; `margingate/server/core/heap.py`).
 
 `malloc_trim` is checked on a heap of our own making (free memory the allocator keeps, which only a trim
 returns), the idle rule on a clock we move, and the engine thread on a real server: one trim per idle
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from margingate.server import heap
+from margingate.server.core import heap
 
 needs_glibc = pytest.mark.skipif(not heap.available() or heap.resident_bytes() is None,
                                  reason="malloc_trim is glibc's, /proc/self/statm Linux's")
@@ -102,7 +102,7 @@ def test_server_trims_once_idle_after_traffic(llm):
 
 
 def test_heap_trim_idle_must_not_be_negative():
-    from margingate.server.config import ServerConfig
+    from margingate.server.core.config import ServerConfig
 
     with pytest.raises(ValueError, match="heap_trim_idle_s"):
         ServerConfig(heap_trim_idle_s=-1)

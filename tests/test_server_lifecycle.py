@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 
 from server_fixtures import MODEL, TIMEOUT, is_idle, make_server, poll, sse_events  # noqa: E402
 
-from margingate.server.config import ServerConfig  # noqa: E402
+from margingate.server.core.config import ServerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("server_idle_after")

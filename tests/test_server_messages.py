@@ -188,7 +188,7 @@ def test_errors_on_the_messages_route_are_anthropics_and_other_routes_keep_opena
                                           (422, "invalid_request_error"), (429, "rate_limit_error"),
                                           (500, "api_error"), (503, "overloaded_error")])
 def test_each_status_has_anthropics_error_type(status, kind):
-    from margingate.server.errors import route_error
+    from margingate.server.protocol.errors import route_error
 
     r = route_error("/v1/messages", status, "why", headers={"Retry-After": "1"})
     assert r.status_code == status and r.headers["retry-after"] == "1"

@@ -1,6 +1,6 @@
-"""Reasoning (`server/reasoning.py`): a `<think>` family's reasoning goes to `reasoning_content` (chat, whole and
-streamed) and to a `reasoning` item (Responses); `chat_template_kwargs.enable_thinking` reaches the template; an
-output constraint holds the answer only after the reasoning ends (`engine/structured.AfterReasoning`).
+"""Reasoning (`server/parsers/reasoning.py`): a `<think>` family's reasoning goes to `reasoning_content` (chat,
+whole and streamed) and to a `reasoning` item (Responses); `chat_template_kwargs.enable_thinking` reaches the
+template; an output constraint holds the answer only after the reasoning ends (`engine/structured.AfterReasoning`).
 
 The parser is checked on text split at every position; the grammar's deferral on the embedded tokenizer; the
 server on a tiny random Qwen3 (transformers' Qwen3Config, the embedded tokenizer, whose ChatML tokens Qwen3's
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from margingate.server.answer import Answer, PlainParser
-from margingate.server.call_parser import CallParser
-from margingate.server.reasoning import Reasoning, ReasoningParser, template_family
+from margingate.server.parsers.answer import Answer, PlainParser
+from margingate.server.parsers.call_parser import CallParser
+from margingate.server.parsers.reasoning import Reasoning, ReasoningParser, template_family
 
 QWEN3_FORM = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}

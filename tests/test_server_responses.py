@@ -16,8 +16,8 @@ pytest.importorskip("fastapi")
 from server_fixtures import MODEL, StreamingLoad, chat  # noqa: E402
 
 from margingate.options import deterministic_policies  # noqa: E402
-from margingate.server.bodies import ChatCompletionRequest  # noqa: E402
-from margingate.server.responses_request import SHARED  # noqa: E402
+from margingate.server.api.responses_request import SHARED  # noqa: E402
+from margingate.server.protocol.bodies import ChatCompletionRequest  # noqa: E402
 
 BI = {"determinism": {"policy": "batch-invariant"}}
 ASK = "What is the weather in Paris?"

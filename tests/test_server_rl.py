@@ -1,7 +1,8 @@
-"""The RL surface of the server (server/control.py, server/pause.py; docs/serving.md, "RL: weights, pauses, token
-ids"), on the embedded model at bf16 through a real uvicorn: weights from a folder or a state dict equal a fresh
-load of them bitwise, bad weights change nothing, an update during a stream follows its mode and loses no request,
-/pause, /resume, /reset_prefix_cache, `return_token_ids`, logprobs modes, `n` seeds, ids outside the vocabulary.
+"""The RL surface of the server (server/core/control.py, server/core/pause.py; docs/serving.md, "RL: weights,
+pauses, token ids"), on the embedded model at bf16 through a real uvicorn: weights from a folder or a state dict
+equal a fresh load of them bitwise, bad weights change nothing, an update during a stream follows its mode and loses
+no request, /pause, /resume, /reset_prefix_cache, `return_token_ids`, logprobs modes, `n` seeds, ids outside the
+vocabulary.
 
 The module serves its own bf16 facade's model (`rl_llm`): the updates here replace that model's weights, never the
 session's. Each test that swaps weights puts the loaded ones back before it ends.

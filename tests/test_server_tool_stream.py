@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from margingate.server.call_parser import CallParser
+from margingate.server.parsers.call_parser import CallParser
 
 NAMES = {"get_weather", "get_time"}
 ANSWERS = [

@@ -16,9 +16,9 @@ pytest.importorskip("fastapi")
 from server_fixtures import MODEL, chat  # noqa: E402
 from test_server_logprobs import Load  # noqa: E402
 
-from margingate.server import tool_format  # noqa: E402
-from margingate.server.bodies import ChatCompletionRequest  # noqa: E402
-from margingate.server.tools import constraint, parse  # noqa: E402
+from margingate.server.core.tools import plan  # noqa: E402
+from margingate.server.parsers import tool_format  # noqa: E402
+from margingate.server.protocol.bodies import ChatCompletionRequest  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {
@@ -79,6 +79,23 @@ def test_auto_and_no_tool_choice_answer_on_a_template_without_a_tool_format(http
     assert answers[0] == answers[1]
 
 
+def test_a_request_reads_its_tools_once_into_the_plan_its_job_carries(client, monkeypatch):
+    """One plan per request (core/tools.py): the prompt's tool offer, the grammar and the parser of every choice
+    (n = 2, streamed and whole) read it; nothing walks back to the body's tools."""
+    from margingate.server.core import jobs, tools
+
+    built, read, outcome = [], [], jobs.Job.outcome
+    monkeypatch.setattr(tools, "plan", lambda *a: built.append(plan(*a)) or built[-1])
+    monkeypatch.setattr(jobs.Job, "outcome", lambda job, whole: read.append(job.tools) or outcome(job, whole))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, n=2,
+                                       max_tokens=48, extra_body=BI)
+    assert [c.message.tool_calls[0].function.name for c in r.choices] == ["get_weather"] * 2
+    assert len(built) == 1 and read == [built[0]] * 2
+    assert (built[0].mode, [t.function.name for t in built[0].offered], built[0].max_calls) == ("named",
+                                                                                               ["get_weather"], 1)
+
+
 def test_bad_tool_requests_name_the_field(http):
     for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "tool_choice.function.name"), ({"tool_choice": "required"}, "tool_choice"),
@@ -120,7 +137,7 @@ def test_parallel_tool_calls_false_allows_exactly_one_call(client, llm):
         params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
                                                        "tool_choice": "required", "parallel_tool_calls": parallel})
         for k in (1, 2, 3):
-            matcher = llm.grammars.matcher(constraint(params, "required", None))
+            matcher = llm.grammars.matcher(plan(params, None).constraint)
             ids = llm.tokenizer.encode("\n".join(calls[:k]))
             assert all(matcher.ll.consume_token(t) for t in ids) == (k <= limit), (parallel, k)
 
@@ -132,18 +149,18 @@ def test_blocks_that_are_no_calls_stay_content_behind_a_marker():
            tool_format.block("launch_rockets", {}),                                     # not a tool offered
            '<tool_call>\n{"arguments": {}}\n</tool_call>',                             # no name
            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa']            # cut short
-    content, calls = parse("Sure.\n" + "\n".join([bad[0], good, *bad[1:]]), params, "auto")
+    content, calls = plan(params, None).parse("Sure.\n" + "\n".join([bad[0], good, *bad[1:]]))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_time",
                                                                                                  {"zone": "UTC"})]
     assert content.startswith("Sure.") and content.count("[margingate: not a tool call") == len(bad)
     assert all(b in content for b in bad) and good not in content
-    assert parse('{"zone": "CET"', params, "auto") == ('{"zone": "CET"', [])  # no block: the text as it came
+    assert plan(params, None).parse('{"zone": "CET"') == ('{"zone": "CET"', [])  # no block: the text as it came
 
 
 def test_string_arguments_are_not_encoded_twice():
     params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [TIME]})
     text = '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>'
-    _, calls = parse(text, params, "auto")
+    _, calls = plan(params, None).parse(text)
     assert calls[0]["function"]["arguments"] == '{"zone": "UTC"}'
 
 
@@ -182,7 +199,7 @@ def test_an_agent_loop_is_bitwise_the_same_twice(client):
 def test_hermes_blocks_parse_into_calls():
     text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [TIME]})
-    content, calls = parse(text, params, "auto")
+    content, calls = plan(params, None).parse(text)
     assert content == "Sure." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("get_time", {"zone": "UTC"})]
 
@@ -192,20 +209,20 @@ def test_a_call_written_as_a_fenced_json_object_is_a_call():
     the text around it stays content, and JSON that is not exactly an offered call stays text, unmarked."""
     params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME]})
     fenced = 'I will look it up.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
-    content, calls = parse(fenced, params, "auto")
+    content, calls = plan(params, None).parse(fenced)
     assert content == "I will look it up."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"})]
-    _, calls = parse('{"name": "get_time", "parameters": {"zone": "UTC"}}', params, "auto")
+    _, calls = plan(params, None).parse('{"name": "get_time", "parameters": {"zone": "UTC"}}')
     assert [c["function"]["name"] for c in calls] == ["get_time"]
     for text in ('```json\n{"name": "launch_rockets", "arguments": {}}\n```',     # not offered
                  '```json\n{"name": "get_time", "arguments": {}, "why": 1}\n```',  # more than a call
                  '```python\nprint(1)\n```', '{"zone": "CET"'):
-        assert parse(text, params, "auto") == (text, [])
+        assert plan(params, None).parse(text) == (text, [])
     one = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
                                                 "parallel_tool_calls": False})
     two = fenced + '\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
-    content, calls = parse(two, one, "auto")
+    content, calls = plan(one, None).parse(two)
     assert len(calls) == 1 and content.endswith('{"name": "get_time", "arguments": {"zone": "UTC"}}\n```')
 
 
@@ -224,7 +241,7 @@ def test_a_forced_call_names_the_markers_a_tokenizer_has_as_one_token(model_dir)
     params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
     ids = hf.encode(tool_format.block("get_weather", {"city": "Paris"}), add_special_tokens=False)
     assert hf.convert_ids_to_tokens([ids[0], ids[-1]]) == [tool_format.OPEN, tool_format.CLOSE]
-    named = grammars.matcher(constraint(params, "required", "hermes", grammars)).ll
+    named = grammars.matcher(plan(params, "hermes", grammars).constraint).ll
     assert all(named.consume_token(t) for t in ids) and named.is_accepting()
-    spelled = grammars.matcher(constraint(params, "required", "hermes")).ll
+    spelled = grammars.matcher(plan(params, "hermes").constraint).ll
     assert not spelled.consume_token(ids[0])  # the failure: spelled, the marker's own token is refused

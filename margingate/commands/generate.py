@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     g.add_argument("prompt", nargs="*", help="user messages (chat template applied)")
     cli_args.add_prompt_args(g, None)
     g.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128)
-    g.add_argument("--max-num-seqs", type=cli_args.positive_int, default=64)
+    cli_args.add_engine_args(g, ["max_num_seqs"])
     g.add_argument("--json", action="store_true", help="one JSON object per line")
     cli_args.add_sampling_args(g)
     cli_args.add_speculative_args(g)

@@ -46,6 +46,6 @@ def add_parser(sub) -> None:
     p.add_argument("--file", help="JSON lines: {prompt, continuation} or {prompt_ids, continuation_ids}")
     p.add_argument("--top-logprobs", type=cli_args.int_at_least(0), default=0, metavar="K",
                    help=f"also the K most likely tokens at each position (at most {MAX_LOGPROBS})")
-    p.add_argument("--max-num-seqs", type=cli_args.positive_int, default=64)
+    cli_args.add_engine_args(p, ["max_num_seqs"])
     cli_args.add_model_args(p)
     p.set_defaults(func=cmd_score)

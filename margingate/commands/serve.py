@@ -10,7 +10,7 @@ import sys
 from .. import cli_args
 from ..distributed.options import add_ray_args
 from ..options import deterministic_policies
-from ..server.config import ServerConfig
+from ..server.core.config import ServerConfig
 
 LOOPBACK_NAMES = {"localhost"}
 
@@ -31,8 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MARGINGATE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $MARGINGATE_API_KEY)")
-    p.add_argument("--max-num-seqs", type=cli_args.positive_int, default=64,
-                   help="requests running at once (one decode row each per step)")
+    cli_args.add_engine_args(p, ["max_num_seqs"])
     p.add_argument("--max-queue", type=cli_args.non_negative_int, default=ServerConfig.max_queue,
                    help="requests accepted beyond the KV slots; more get 429 with Retry-After")
     p.add_argument("--default-policy", default=ServerConfig.default_policy, choices=deterministic_policies(),

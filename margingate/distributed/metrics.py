@@ -1,6 +1,6 @@
 """/metrics for a fleet of replicas: any replica answers with the sum over all of them.
 
-Every replica pushes its own exposition (server/metrics.py's text) to one named actor, the
+Every replica pushes its own exposition (server/core/metrics.py's text) to one named actor, the
 board, each PUSH_S; a GET /metrics that passed the app (API key included) is answered with the
 board's texts summed series by series, the answering replica's own text fresh. Counters,
 histogram buckets and gauges (queue length, running requests, free KV slots) all add up across

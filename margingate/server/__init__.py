@@ -5,10 +5,15 @@
     app = create_app(LLM(max_num_seqs=16))      # serve with uvicorn
 
 or `margingate serve` from the command line. Needs the `server` extra (fastapi, uvicorn).
+
+Rooms: `app.py` + `routes.py` + `guard.py` (the app, its routes, the key check) and `background.py` (uvicorn)
+over `api/` (one endpoint per API), `core/` (bodies into engine requests, the engine thread, events into
+answers), `parsers/` (an answer's text into content, reasoning and tool calls) and `protocol/` (the wire's
+shapes). Arrows point one way: app -> api -> core -> parsers, protocol (docs/architecture.md).
 """
 from __future__ import annotations
 
-__all__ = ["create_app"]
+__all__ = ["BackgroundServer", "ServerConfig", "create_app"]
 
 
 def __getattr__(name):  # lazy: importing margingate.server must not need fastapi
@@ -16,4 +21,12 @@ def __getattr__(name):  # lazy: importing margingate.server must not need fastap
         from .app import create_app
 
         return create_app
+    if name == "ServerConfig":
+        from .core.config import ServerConfig
+
+        return ServerConfig
+    if name == "BackgroundServer":
+        from .background import BackgroundServer
+
+        return BackgroundServer
     raise AttributeError(name)

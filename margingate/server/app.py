@@ -12,16 +12,16 @@ batches). The response's `determinism` object is the policy's report for this
 request (triggers, repairs, rollbacks, ...) plus the environment the contract
 depends on.
 
-The parts: config.py (settings), state.py (what one app holds: the serving context, margingate/serving_context.py,
-with the engine built whole), worker.py (the engine thread), events.py (its typed per-request events, and the
-per-choice accumulator), endpoint.py (one API's endpoint: parse, submit, answer whole or streamed) and its
-subclasses completions.py, chat.py, responses.py (+ responses_request.py: /v1/responses, served as chat),
-messages.py (+ messages_request.py: /v1/messages, served as chat),
-parsing.py (the serving core's recipe: a validated body -> Job), jobs.py (events -> answer), streaming.py
-(SSE; the text and its stop strings are the engine's: engine/detokenize.py), answer.py + call_parser.py +
-call_shapes.py + reasoning.py (an answer's text read into content, reasoning and tool calls as it is
-released), routes.py, guard.py (API key, request counts), errors.py, protocol.py, metrics.py, heap.py (the C
-heap's free pages handed back once idle).
+The parts, by room (margingate/server/__init__.py): api/ (endpoint.py, one API's endpoint: parse, submit, answer
+whole or streamed, and its subclasses completions.py, chat.py, responses.py + responses_request.py and messages.py
++ messages_request.py, the last two served as chat), core/ (config.py, the settings; state.py, what one app holds:
+the serving context, margingate/serving_context.py, with the engine built whole; parsing.py, the core's recipe: a
+validated body -> Job; jobs.py, events -> answer; worker.py, the engine thread, and events.py, its typed
+per-request events; streaming.py, SSE, the text and its stop strings the engine's: engine/detokenize.py;
+metrics.py; heap.py, the C heap's free pages handed back once idle), parsers/ (answer.py + call_parser.py +
+call_shapes.py + reasoning.py: an answer's text read into content, reasoning and tool calls as it is released),
+protocol/ (common.py, bodies.py, errors.py, ...); beside this module routes.py and guard.py (API key, request
+counts).
 """
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
 from ..serving_context import ServingContext
-from .config import ServerConfig
-from .errors import route_error
+from .core.config import ServerConfig
+from .core.state import ServerState
 from .guard import Guard
+from .protocol.errors import route_error
+from .protocol.sdk_fields import IGNORED_HEADER
 from .routes import router
-from .sdk_fields import IGNORED_HEADER
-from .state import ServerState
 
 log = logging.getLogger("margingate.server")
 
@@ -72,7 +72,7 @@ def create_app(served, config: ServerConfig | None = None, *, engine: Engine | N
     its tokenizer, policies and, unless `engine` is given, its engine).
 
     `config` (or `ServerConfig` fields as keywords: api_key, max_queue, default_policy, ...)
-    says how; see server/config.py for the defaults.
+    says how; see server/core/config.py for the defaults.
     """
     config = replace(config or ServerConfig(), **settings)
     context = served if isinstance(served, ServingContext) else ServingContext.of(served, engine)

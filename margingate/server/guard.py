@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import hmac
 
-from .errors import route_error
-from .state import ServerState
+from .core.state import ServerState
+from .protocol.errors import route_error
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
           "/metrics", "/tokenize", "/detokenize", "/v1/update_weights", "/pause", "/resume", "/is_paused",

@@ -11,14 +11,14 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
-from . import control_routes, tokenization
-from .chat import CHAT
-from .completions import COMPLETIONS
-from .errors import json_error
-from .messages import MESSAGES
-from .metrics import CONTENT_TYPE
-from .responses import RESPONSES
-from .state import ServerState
+from .api import control_routes, tokenization
+from .api.chat import CHAT
+from .api.completions import COMPLETIONS
+from .api.messages import MESSAGES
+from .api.responses import RESPONSES
+from .core.metrics import CONTENT_TYPE
+from .core.state import ServerState
+from .protocol.errors import json_error
 
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize

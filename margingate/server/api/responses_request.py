@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import sdk_fields
-from .protocol import BadRequest, validation_message
+from ..protocol import sdk_fields
+from ..protocol.common import BadRequest, validation_message
 
 # the fields a Responses body shares with a chat body: passed through unchanged
 SHARED = frozenset({"model", "temperature", "top_p", "seed", "stream", "store", "metadata", "user", "service_tier",

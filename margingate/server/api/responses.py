@@ -29,17 +29,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request as HTTPRequest
 
-from .answer import Answer
-from .call_parser import Piece
+from ..core.events import Handle, Outcome
+from ..core.jobs import Job, abort_all, determinism_report, merged, usage
+from ..core.parsing import build_job, json_object, read_body, validate
+from ..core.state import ServerState
+from ..parsers.answer import Answer
+from ..parsers.call_parser import Piece
+from ..protocol.common import BadRequest
+from ..protocol.errors import RequestFailed
+from ..protocol.logprobs import LogprobFormatter
 from .chat import ChatEndpoint
-from .errors import RequestFailed
-from .events import Handle, Outcome
-from .jobs import Job, abort_all, determinism_report, merged, usage
-from .logprobs import LogprobFormatter
-from .parsing import build_job, json_object, read_body, validate
-from .protocol import BadRequest
 from .responses_request import FunctionChoice, read_request, responses_param
-from .state import ServerState
 
 
 def item_id(prefix: str) -> str:
@@ -92,8 +92,8 @@ def envelope(state: ServerState, job: Job, status: str, output: list[dict]) -> d
             "instructions": p.instructions, "max_output_tokens": p.max_output_tokens,
             "temperature": chat.greedy_temperature, "top_p": 1.0 if chat.top_p is None else chat.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in p.tools or []],
-            "tool_choice": (p.tool_choice.model_dump() if isinstance(p.tool_choice, FunctionChoice)
-                            else p.tool_choice or ("auto" if p.tools else "none")),
+            # the plan's mode ("auto" where tools came without a choice); a named one in this API's shape
+            "tool_choice": p.tool_choice.model_dump() if isinstance(p.tool_choice, FunctionChoice) else job.tools.mode,
             "parallel_tool_calls": p.parallel_tool_calls is not False, "text": {"format": text_format or
                                                                                  {"type": "text"}},
             "reasoning": None, "store": False, "previous_response_id": None, "truncation": "disabled",

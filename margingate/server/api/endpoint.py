@@ -11,15 +11,16 @@ from typing import ClassVar
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from . import sdk_fields
-from .errors import QueueFull, ShuttingDown, route_error
-from .events import Handle, Outcome
-from .jobs import Choice, Job, abort_all, complete, completion_body, next_event
-from .parsing import build_job, read_params
-from .protocol import BadRequest
-from .reasoning import Reasoning
-from .state import ServerState
-from .streaming import ChunkWriter, EventStream, stream
+from ..core.events import Handle, Outcome
+from ..core.jobs import Choice, Job, abort_all, complete, completion_body, next_event
+from ..core.parsing import build_job, read_params
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter, EventStream, stream
+from ..core.tools import NO_TOOLS, ToolPlan
+from ..parsers.reasoning import Reasoning
+from ..protocol import sdk_fields
+from ..protocol.common import BadRequest
+from ..protocol.errors import QueueFull, ShuttingDown, route_error
 
 log = logging.getLogger("margingate.server")
 
@@ -34,10 +35,11 @@ class Endpoint:
     async def parse(self, state: ServerState, req: HTTPRequest) -> Job:
         return await build_job(state, self, await read_params(state, req, self.body))
 
-    def tool_mode(self, params) -> str:
-        return "none"
+    def tool_plan(self, state: ServerState, params) -> ToolPlan:
+        """What the body's tools mean (core/tools.py): none, but on chat."""
+        return NO_TOOLS
 
-    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
+    async def prompts(self, state: ServerState, params, plan: ToolPlan) -> list[tuple[list[int], str | None]]:
         """Each prompt's token ids, and its text where the client sent text (echo returns it as sent)."""
         raise NotImplementedError
 

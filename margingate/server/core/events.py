@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..engine import Request, Result
-from ..engine.events import StreamEvent
-from .answer import Answer, PlainParser
-from .call_parser import Piece
-from .protocol import OPENAI_FINISH
+from ...engine import Request, Result
+from ...engine.events import StreamEvent
+from ..parsers.answer import Answer, PlainParser
+from ..parsers.call_parser import Piece
+from ..protocol.common import OPENAI_FINISH
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from .protocol import error_body
+from .common import error_body
 
 
 class QueueFull(Exception):

@@ -11,12 +11,12 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..serving_context import WeightsError
-from .control import Control
-from .errors import json_error
-from .parsing import json_object, read_body
-from .pause import PAUSE_MODES
-from .protocol import BadRequest, validation_message
+from ...serving_context import WeightsError
+from ..core.control import Control
+from ..core.parsing import json_object, read_body
+from ..core.pause import PAUSE_MODES
+from ..protocol.common import BadRequest, validation_message
+from ..protocol.errors import json_error
 
 router = APIRouter()
 

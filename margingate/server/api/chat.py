@@ -9,16 +9,16 @@ from collections.abc import Iterator
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
-from . import tools
-from .bodies import ChatCompletionRequest
+from ...data.prompts import Prompt
+from ..core import tools
+from ..core.events import Outcome
+from ..core.jobs import Choice, Job
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter
+from ..parsers.reasoning import Reasoning
+from ..protocol.bodies import ChatCompletionRequest
+from ..protocol.common import BadRequest
 from .endpoint import Endpoint
-from .events import Outcome
-from .jobs import Choice, Job
-from .protocol import BadRequest
-from .reasoning import Reasoning
-from .state import ServerState
-from .streaming import ChunkWriter
 
 
 class ChatEndpoint(Endpoint):
@@ -28,13 +28,13 @@ class ChatEndpoint(Endpoint):
     logprob_names = {"logprobs": "top_logprobs"}
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def tool_mode(self, params) -> str:
-        return tools.mode(params)
+    def tool_plan(self, state: ServerState, params) -> tools.ToolPlan:
+        return tools.plan(params, state.tool_format, state.context.grammars)
 
-    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
-        """The one prompt the template makes of the messages and the tools offered."""
-        chat = Prompt("chat", tuple(tools.message_dicts(params, state.tool_format, tool_mode)), None, "http")
-        offered = tools.template_tools(params, state.tool_format)
+    async def prompts(self, state: ServerState, params, plan: tools.ToolPlan) -> list[tuple[list[int], str | None]]:
+        """The one prompt the template makes of the messages and the tools the plan offers."""
+        chat = Prompt("chat", tuple(tools.message_dicts(params, plan)), None, "http")
+        offered = tools.template_tools(plan)
         try:
             ids = await run_in_threadpool(state.context.encode_prompt, chat, offered, **params.template_options())
         except TemplateError as exc:  # chat_template_kwargs or a message the template refuses

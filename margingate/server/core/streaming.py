@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from .answer import Answer
-from .call_parser import Piece
-from .errors import RequestFailed
+from ..parsers.answer import Answer
+from ..parsers.call_parser import Piece
+from ..protocol.common import error_body
+from ..protocol.errors import RequestFailed
 from .events import Handle
 from .jobs import Choice, Job, abort_all, determinism_report, envelope, merged, usage
-from .protocol import error_body
 from .state import ServerState
 from .worker import EngineWorker
 

@@ -10,10 +10,10 @@ from fastapi import Request as HTTPRequest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Request
-from ..engine.policy import Policy
-from ..engine.structured import AfterReasoning
-from ..options import (
+from ...engine import Request
+from ...engine.policy import Policy
+from ...engine.structured import AfterReasoning
+from ...options import (
     PolicyOptionError,
     PolicySpec,
     SamplingError,
@@ -22,13 +22,13 @@ from ..options import (
     SpeculativeError,
     deterministic_policies,
 )
-from ..options.structured import StructuredError, StructuredOutput
-from . import tools
+from ...options.structured import StructuredError, StructuredOutput
+from ..parsers.reasoning import Reasoning
+from ..protocol.common import BadRequest, CommonBody, parse_json_body, validation_message
 from .constraints import compiled
 from .jobs import Choice, Job
-from .protocol import BadRequest, CommonBody, parse_json_body, validation_message
-from .reasoning import Reasoning
 from .state import ServerState
+from .tools import ToolPlan
 
 
 async def read_body(req: HTTPRequest, limit: int) -> bytes:
@@ -131,14 +131,14 @@ def sampling_params(state: ServerState, params, names: dict[str, str]) -> Sampli
     return sampling.seeded()  # one seed for the request: sample j of n takes seed + j
 
 
-def output_constraint(state: ServerState, params, tool_mode: str):
-    """The body's constraint (`response_format`, vLLM's fields) or its tools' (the calls' format),
+def output_constraint(state: ServerState, params, plan: ToolPlan):
+    """The body's constraint (`response_format`, vLLM's fields) or its tools' (the plan's: the calls' format),
     compiled. With `auto` the body's wins (the answer is then held to it, not to calls); with calls
     forced, both at once is a 400."""
-    by_tools = tools.constraint(params, tool_mode, state.tool_format, state.context.grammars)
+    by_tools = plan.constraint
     structured = compiled(state.context.grammars, params)
     if by_tools is not None and structured is not None:
-        if tool_mode == "auto":
+        if plan.mode == "auto":
             return structured
         raise BadRequest("tool_choice constrains the output already: drop the other constraint", param="tool_choice")
     if by_tools is not None:
@@ -179,8 +179,8 @@ async def build_job(state: ServerState, endpoint, params, id_prefix: str | None 
     """A validated body as the `Job` its endpoint means (its prompts, tools and reasoning); raises BadRequest."""
     policy = build_policy(state, params)
     sampling = sampling_params(state, params, endpoint.logprob_names)
-    tool_mode = endpoint.tool_mode(params)
-    structured = await run_in_threadpool(output_constraint, state, params, tool_mode)
+    plan = await run_in_threadpool(endpoint.tool_plan, state, params)  # the grammar's markers read the tokenizer
+    structured = await run_in_threadpool(output_constraint, state, params, plan)
     if structured is not None:
         if params.min_tokens:  # masking the end where the grammar allows nothing else would leave no token
             raise BadRequest("min_tokens with an output constraint or forced tool calls is not supported",
@@ -188,7 +188,7 @@ async def build_job(state: ServerState, endpoint, params, id_prefix: str | None 
         sampling = replace(sampling, structured=structured)
     check_seed(policy.deterministic, sampling.temperature, params.seed)
     speculative = speculative_config(state, params)
-    encoded = await endpoint.prompts(state, params, tool_mode)
+    encoded = await endpoint.prompts(state, params, plan)
     reasoning = await run_in_threadpool(endpoint.reasoning, state, encoded[0][0])
     if structured is not None and reasoning is not None:  # the constraint holds the answer after its reasoning
         sampling = replace(sampling, structured=await run_in_threadpool(after_reasoning, state, structured, reasoning))
@@ -208,7 +208,7 @@ async def build_job(state: ServerState, endpoint, params, id_prefix: str | None 
         raise
     except ValueError as exc:
         raise BadRequest(str(exc), param=endpoint.prompt_param) from None
-    return Job(endpoint, params, policy, rid, choices, tool_mode, ignored=params.ignored_fields(), reasoning=reasoning)
+    return Job(endpoint, params, policy, rid, choices, plan, ignored=params.ignored_fields(), reasoning=reasoning)
 
 
 def after_reasoning(state: ServerState, structured: StructuredOutput, reasoning: Reasoning) -> AfterReasoning:

@@ -6,8 +6,8 @@ The numbers are the engine's `TokenLogprob`s unchanged: fp32 values printed as t
 repr of their double, so equal bits give equal JSON."""
 from __future__ import annotations
 
-from ..engine.detokenize import char_offsets, decode_text
-from ..engine.logprobs import TokenLogprob
+from ...engine.detokenize import char_offsets, decode_text
+from ...engine.logprobs import TokenLogprob
 
 
 class LogprobFormatter:

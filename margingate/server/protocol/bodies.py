@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from . import sdk_fields
+from .common import MAX_PROMPTS, CommonBody
 from .formats import NamedToolChoice, Tool, ToolCall
-from .protocol import MAX_PROMPTS, CommonBody
 
 
 class TextPart(BaseModel):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import BadRequest, validation_message
+from ..protocol.common import BadRequest, validation_message
 
 # the fields a Messages body shares with a chat body: passed through unchanged
 SHARED = frozenset({"temperature", "top_p", "top_k", "stream", "seed", "determinism", "deterministic", "speculative",

@@ -8,15 +8,16 @@ from collections.abc import Iterator
 
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
-from .bodies import CompletionRequest
+from ...data.prompts import Prompt
+from ..core.events import Outcome
+from ..core.jobs import Choice, Job
+from ..core.state import ServerState
+from ..core.streaming import ChunkWriter
+from ..core.tools import ToolPlan
+from ..protocol.bodies import CompletionRequest
+from ..protocol.common import BadRequest
+from ..protocol.logprobs import merge_completion
 from .endpoint import Endpoint
-from .events import Outcome
-from .jobs import Choice, Job
-from .logprobs import merge_completion
-from .protocol import BadRequest
-from .state import ServerState
-from .streaming import ChunkWriter
 
 
 class CompletionsEndpoint(Endpoint):
@@ -26,7 +27,7 @@ class CompletionsEndpoint(Endpoint):
     logprob_names = {"prompt_logprobs": "logprobs"}
     object_name = chunk_object = "text_completion"
 
-    async def prompts(self, state: ServerState, params, tool_mode: str) -> list[tuple[list[int], str | None]]:
+    async def prompts(self, state: ServerState, params, plan: ToolPlan) -> list[tuple[list[int], str | None]]:
         out = []
         for i, p in enumerate(params.prompt):
             if isinstance(p, list):

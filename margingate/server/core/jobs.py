@@ -12,15 +12,15 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..engine import Request, Result
-from ..engine.policy import Policy
-from . import tools
-from .answer import Answer
-from .errors import RequestFailed, route_error
+from ...engine import Request, Result
+from ...engine.policy import Policy
+from ..parsers.answer import Answer
+from ..parsers.reasoning import Reasoning, ReasoningParser
+from ..protocol.common import finite
+from ..protocol.errors import RequestFailed, route_error
 from .events import Event, Handle, Outcome
-from .protocol import finite
-from .reasoning import Reasoning, ReasoningParser
 from .state import ServerState
+from .tools import NO_TOOLS, ToolPlan
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Job:
     policy: Policy
     id: str
     choices: list[Choice]
-    tool_mode: str = "none"        # chat: "none", "auto", "required" or "named" (tools.py)
+    tools: ToolPlan = NO_TOOLS     # what its tools mean, read once from the body (tools.py)
     ignored: list[str] = field(default_factory=list)  # unknown fields of the body: named in the answer's header
     origin: Any = None             # the body as its own API sent it, where that API is served as chat (responses)
     reasoning: Reasoning | None = None  # how the answer's reasoning is marked (reasoning.py), if it has one
@@ -50,11 +50,11 @@ class Job:
         return bool(getattr(self.params, "echo", False))
 
     def outcome(self, whole: bool) -> Outcome:
-        """An empty outcome for one choice, its answer read as this job's (tools.parser); `whole`: not streamed."""
-        parser = tools.parser(self.params, self.tool_mode, whole)
+        """An empty outcome for one choice, its answer read by the tool plan's parser; `whole`: not streamed."""
+        parser = self.tools.parser(whole)
         if self.reasoning is not None:
             parser = ReasoningParser(self.reasoning, parser)
-        return Outcome(parser, Answer(stripped=self.tool_mode != "none"))
+        return Outcome(parser, Answer(stripped=self.tools.mode != "none"))
 
 
 # --- response pieces ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from ..serving_context import ServingContext
+from ...serving_context import ServingContext
 from .pause import PAUSE_MODES
 from .worker import EngineWorker
 

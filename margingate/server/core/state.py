@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from ..serving_context import ServingContext
+from ...serving_context import ServingContext
+from ..parsers.reasoning import template_family
+from ..protocol.logprobs import LogprobFormatter
 from .config import ServerConfig
 from .control import Control
-from .logprobs import LogprobFormatter
 from .metrics import Metrics
-from .reasoning import template_family
 from .tools import template_format
 from .worker import EngineWorker
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import deterministic_policies
+from ...options import deterministic_policies
 
 
 @dataclass(frozen=True)

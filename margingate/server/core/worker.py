@@ -27,11 +27,11 @@ import time
 import traceback
 from dataclasses import replace
 
-from ..engine import Request
-from ..engine.engine import Engine
-from ..engine.events import StreamEvent
+from ...engine import Request
+from ...engine.engine import Engine
+from ...engine.events import StreamEvent
+from ..protocol.errors import QueueFull, ShuttingDown
 from .config import ServerConfig
-from .errors import QueueFull, ShuttingDown
 from .events import Event, Handle
 from .heap import IdleTrim
 from .metrics import BATCH_BUCKETS, Metrics

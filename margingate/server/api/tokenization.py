@@ -12,12 +12,12 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
-from ..data.prompts import Prompt
+from ...data.prompts import Prompt
+from ..core.parsing import json_object, read_body, validate
+from ..core.state import ServerState
+from ..protocol.common import BadRequest
+from ..protocol.errors import json_error
 from .chat import CHAT
-from .errors import json_error
-from .parsing import json_object, read_body, validate
-from .protocol import BadRequest
-from .state import ServerState
 
 router = APIRouter()
 
@@ -34,7 +34,8 @@ async def _ids(state: ServerState, body: dict) -> list[int]:
     special = _flag(body, "add_special_tokens", "messages" not in body)  # a template writes its own
     if "messages" in body:
         params = validate(state, body, CHAT.body)
-        return (await CHAT.prompts(state, params, CHAT.tool_mode(params)))[0][0]
+        plan = await run_in_threadpool(CHAT.tool_plan, state, params)
+        return (await CHAT.prompts(state, params, plan))[0][0]
     text = body.pop("prompt", None)
     if not isinstance(text, str) or set(body) - {"model"}:
         raise BadRequest("tokenize takes {\"prompt\": text} or a chat body with \"messages\"", param="prompt")

@@ -19,7 +19,7 @@ import ctypes
 import os
 import time
 
-from .. import libc
+from ... import libc
 
 
 def _malloc_trim():

@@ -3,8 +3,8 @@ the door: a bad schema, regex or grammar is a 400 naming the field it came in, a
 the engine thread."""
 from __future__ import annotations
 
-from ..options.structured import StructuredError, StructuredOutput
-from .protocol import BadRequest
+from ...options.structured import StructuredError, StructuredOutput
+from ..protocol.common import BadRequest
 
 GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
           ("guided_grammar", "grammar"))

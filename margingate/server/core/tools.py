@@ -24,23 +24,74 @@ the text around it stays content; any other JSON stays text, unmarked (it may be
 
 Streamed, a call goes out as it is written: its name, then its arguments in fragments (`call_parser.py`),
 bitwise the arguments of the whole answer.
+
+All of it is read from the body once, into the request's `ToolPlan` (`plan`: the mode, the tools offered, the
+calls allowed, the format, the grammar), which the job carries: the prompt, the constraint and each choice's
+parser read the plan.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from ..options.structured import StructuredOutput
-from . import tool_format
-from .answer import Answer, PlainParser
-from .call_parser import CallParser
-from .formats import NamedToolChoice
-from .protocol import BadRequest
+from ...options.structured import StructuredOutput
+from ..parsers import tool_format
+from ..parsers.answer import Answer, PlainParser
+from ..parsers.call_parser import CallParser
+from ..protocol.common import BadRequest
+from ..protocol.formats import NamedToolChoice
 
 
 def template_format(chat_template: str | None) -> str | None:
     """The tool format the model's chat template defines: "hermes", or None (ours is used)."""
     return "hermes" if chat_template and "tools" in chat_template and "<tool_call>" in chat_template else None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools mean, read once from its body (`plan`) and carried on its job: the prompt, the
+    output constraint and every choice's parser read it, never the body again."""
+    mode: str = "none"                # "none", "auto", "required" or "named" (a named function)
+    tools: tuple = ()                 # every tool the body lists (a template with a tool format is given all)
+    offered: tuple = ()               # the tools a call may name: the named one, or all
+    max_calls: int = 0                # calls one answer may make
+    template_format: str | None = None   # the chat template's own tool format ("hermes"), or None: ours
+    constraint: StructuredOutput | None = None  # the grammar that holds the answer to the calls; None: free
+
+    @property
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.offered}
+
+    def parser(self, whole: bool) -> CallParser | PlainParser:
+        """A choice's parser: its text as content (no tools), or content and calls (`call_parser.py`);
+        `whole`: the answer is read at once, not streamed."""
+        return PlainParser() if self.mode == "none" else CallParser(self.names, self.max_calls, whole)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a whole answer. A block that is no call stays in content after a marker; an
+        answer may state its calls as JSON objects (module docstring)."""
+        answer, read = Answer(stripped=True), self.parser(whole=True)
+        answer.take(read.feed(text) + read.finish())
+        return answer.message()["content"], answer.calls
+
+
+NO_TOOLS = ToolPlan()
+
+
+def plan(params, template_format_name: str | None, grammars=None) -> ToolPlan:
+    """The body's tool plan; refuses a `tool_choice` without tools, repeated names, a name not offered.
+    `grammars` (the model's `engine.structured.Grammars`) says which markers its tokenizer has as one special
+    token."""
+    tool_mode = mode(params)
+    if tool_mode == "none":
+        return ToolPlan(template_format=template_format_name, tools=tuple(params.tools or ()))
+    tools = tuple(params.tools)
+    named = params.tool_choice.function.name if tool_mode == "named" else None
+    offered = tuple(t for t in tools if t.function.name == named) if named else tools
+    max_calls = 1 if tool_mode == "named" or params.parallel_tool_calls is False else len(tools)
+    return ToolPlan(tool_mode, tools, offered, max_calls, template_format_name,
+                    constraint(tool_mode, offered, max_calls, template_format_name, grammars))
 
 
 def mode(params) -> str:
@@ -61,51 +112,23 @@ def mode(params) -> str:
     return choice or "auto"
 
 
-def offered(params, tool_mode: str) -> list:
-    """The tools a call may name: the named one, or all."""
-    if tool_mode == "named":
-        return [t for t in params.tools if t.function.name == params.tool_choice.function.name]
-    return list(params.tools or []) if tool_mode != "none" else []
-
-
-def max_calls(params, tool_mode: str) -> int:
-    return 1 if tool_mode == "named" or params.parallel_tool_calls is False else len(params.tools)
-
-
-def constraint(params, tool_mode: str, tool_format_name: str | None, grammars=None) -> StructuredOutput | None:
-    """The grammar that holds the answer to the calls' format (None: unconstrained); `grammars` (the model's
-    `engine.structured.Grammars`) says which markers its tokenizer has as one special token."""
-    if tool_mode == "none" or (tool_mode == "auto" and tool_format_name is not None):
+def constraint(tool_mode: str, offered: tuple, max_calls: int, template_format_name: str | None,
+               grammars=None) -> StructuredOutput | None:
+    """The grammar that holds the answer to the calls' format (None: unconstrained): forced calls, or `auto`
+    where the template has no tool format of its own (an answer that opens a call is held to ours)."""
+    if tool_mode == "none" or (tool_mode == "auto" and template_format_name is not None):
         return None
     marks = (tool_format.OPEN, tool_format.CLOSE)
     tokens = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
-    grammar = tool_format.grammar(offered(params, tool_mode), max_calls(params, tool_mode), text=tool_mode == "auto",
-                                  tokens=tokens)
-    return StructuredOutput(grammar=grammar)
-
-
-def parser(params, tool_mode: str, whole: bool) -> CallParser | PlainParser:
-    """The answer's parser: its text as content (no tools), or content and calls (`call_parser.py`);
-    `whole`: the answer is read at once, not streamed."""
-    if tool_mode == "none":
-        return PlainParser()
-    return CallParser({t.function.name for t in offered(params, tool_mode)}, max_calls(params, tool_mode), whole)
-
-
-def parse(text: str, params, tool_mode: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole answer. A block that is no call stays in content after a marker; an
-    answer may state its calls as JSON objects (module docstring)."""
-    answer, read = Answer(stripped=True), parser(params, tool_mode, whole=True)
-    answer.take(read.feed(text) + read.finish())
-    return answer.message()["content"], answer.calls
+    return StructuredOutput(grammar=tool_format.grammar(offered, max_calls, text=tool_mode == "auto", tokens=tokens))
 
 
 # --- the prompt -------------------------------------------------------------------------------
 
-def message_dicts(params, tool_format_name: str | None, tool_mode: str) -> list[dict]:
+def message_dicts(params, plan: ToolPlan) -> list[dict]:
     """The chat's messages as the template gets them: tool calls and tool answers included, and (a
     template without a tool format) our system turn offering the tools."""
-    out = []
+    tool_format_name, out = plan.template_format, []
     for m in params.messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
@@ -118,8 +141,8 @@ def message_dicts(params, tool_format_name: str | None, tool_mode: str) -> list[
         if m.tool_call_id is not None and tool_format_name is not None:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
-    if tool_format_name is None and tool_mode != "none":
-        offer = tool_format.system_prompt(offered(params, tool_mode), max_calls(params, tool_mode))
+    if tool_format_name is None and plan.mode != "none":
+        offer = tool_format.system_prompt(plan.offered, plan.max_calls)
         if out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{offer}".lstrip()}
         else:
@@ -135,8 +158,8 @@ def _arguments(text: str) -> Any:
                          param="messages") from None
 
 
-def template_tools(params, tool_format_name: str | None) -> list[dict] | None:
+def template_tools(plan: ToolPlan) -> list[dict] | None:
     """The tools as a template with a tool format takes them (None: the template gets none)."""
-    if tool_format_name is None or not params.tools:
+    if plan.template_format is None or not plan.tools:
         return None
-    return [t.model_dump(exclude_none=True) for t in params.tools]
+    return [t.model_dump(exclude_none=True) for t in plan.tools]

@@ -19,16 +19,16 @@ from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request as HTTPRequest
 
-from .answer import Answer
-from .call_parser import Piece
+from ..core.events import Handle, Outcome
+from ..core.jobs import Job, abort_all, determinism_report, merged, usage
+from ..core.parsing import build_job, json_object, read_body, validate
+from ..core.state import ServerState
+from ..parsers.answer import Answer
+from ..parsers.call_parser import Piece
+from ..protocol.common import BadRequest
+from ..protocol.errors import RequestFailed
 from .chat import ChatEndpoint
-from .errors import RequestFailed
-from .events import Handle, Outcome
-from .jobs import Job, abort_all, determinism_report, merged, usage
 from .messages_request import messages_param, read_request
-from .parsing import build_job, json_object, read_body, validate
-from .protocol import BadRequest
-from .state import ServerState
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
