@@ -85,7 +85,7 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.config.vocab_size)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_threads=num_threads,
                               prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens,
                               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
@@ -93,7 +93,7 @@ class LLM:
                               step_graphs=step_graphs)
         draft = self._load_draft(draft_model, config) if draft_model is not None else None
         self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
-                             detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)
+                             detokenize=text_decoder(self.tokenizer), grammars=self.grammars)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):

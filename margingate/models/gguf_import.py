@@ -8,7 +8,6 @@ Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from .gguf_header import check_header
 from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
+from .gguf_tensors import RawTensor, TensorTables, tensor_tables
 
 __all__ = ["GGUFError", "convert", "load_quantized", "hf_name", "unpermute", "readers", "architecture"]
 
@@ -106,7 +106,6 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
 def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
     """Every tensor dequantized to bf16 (each expert of a stacked tensor apart), in safetensors shards
     of about SHARD_BYTES."""
-    import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -115,7 +114,7 @@ def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
     tensors = list(hf_tensors(paths, arch, int(meta.get(f"{prefix}.expert_count", 0) or 0)))
     shard, size, shards = {}, 0, 0
     for name, t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
-        w = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+        w = bf16_tensor(t, arch, n_heads, n_kv)
         shard[name] = w
         size += 2 * w.numel()
         if size >= SHARD_BYTES:
@@ -126,9 +125,9 @@ def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
         save_file(shard, str(out / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
 
 
-def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
+def bf16_tensor(t: RawTensor, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     """One GGUF tensor dequantized to bf16, llama.cpp's conventions undone (Q/K rows, Gemma's norms)."""
-    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    w = torch.from_numpy(t.dequantized())
     if ARCHS[arch].permuted and ".attn_q." in t.name:
         w = unpermute(w, n_heads)
     elif ARCHS[arch].permuted and ".attn_k." in t.name:
@@ -138,41 +137,14 @@ def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     return w.to(torch.bfloat16).contiguous()
 
 
-class RawTensor:
-    """A GGUF tensor as gguf's reader presents one (name, tensor_type, shape, data), found in the file's
-    tensor table: no reader, which decodes every metadata value first (seconds per load). `data` is
-    read from the file each time it is asked for, not mapped: a mapping would keep every page of the
-    file resident beside the repacked model until the last tensor is built."""
-
-    def __init__(self, gguf, path: Path, entry: tuple):
-        self.name, dims, kind, self.start, self.nbytes = entry
-        self.path, self.tensor_type, self.shape = path, gguf.GGMLQuantizationType(kind), list(dims)
-        block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor_type]
-        self.rows = (*reversed(dims[1:]), dims[0] // block * block_bytes)
-
-    @property
-    def data(self) -> np.ndarray:
-        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
-
-    def expert(self, e: int) -> RawTensor:
-        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts])."""
-        part = copy.copy(self)
-        part.nbytes = self.nbytes // self.shape[2]
-        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:2], self.rows[1:]
-        return part
-
-
-def hf_tensors(paths: list[Path], arch: str, experts: int):
+def hf_tensors(paths: list[Path], arch: str, experts: int, tables: TensorTables | None = None):
     """(Hugging Face name, RawTensor) for every weight of the file, in its order; a stacked experts'
-    tensor gives one matrix per expert. The rope_freqs tensor is config (`convert` reads it there)."""
-    import gguf
-
-    from .gguf_header import tensor_table
-
-    sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
-    for path in paths:
-        for entry in tensor_table(path, sizes):
-            t = RawTensor(gguf, path, entry)
+    tensor gives one matrix per expert. The rope_freqs tensor is config (`convert` reads it there).
+    `tables`: the parts' tensor tables as an earlier load found them (packed_cache.py); None walks the headers."""
+    tables = tables or tensor_tables(paths)
+    for path, table in zip(paths, tables.parts):
+        for entry in table:
+            t = RawTensor(path, entry, tables.types)
             if t.name == ROPE_FREQS:
                 continue
             names = expert_names(hf_name(t.name, arch), experts)
@@ -183,13 +155,11 @@ def hf_tensors(paths: list[Path], arch: str, experts: int):
             yield from ((n, t.expert(e) if stacked else t) for e, n in enumerate(names))
 
 
-def load_quantized(paths: list[Path], config: dict) -> dict:
+def load_quantized(paths: list[Path], config: dict, tables: TensorTables | None = None) -> dict:
     """The GGUF's tensors by Hugging Face name, straight from the file: each matrix of a type
     gguf_quant keeps quantized as a GGUFMatrix (read when the model is built), every other tensor
     dequantized to bf16 exactly as `convert` writes it. `config`: the converted folder's config.json
-    (architecture, heads and experts)."""
-    import gguf
-
+    (architecture, heads and experts); `tables`: as hf_tensors takes them."""
     from .gguf_quant import TYPES, GGUFMatrix
 
     arch = arch_of(config["model_type"])
@@ -197,11 +167,11 @@ def load_quantized(paths: list[Path], config: dict) -> dict:
     heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch].permuted else {}
     experts = config.get("num_experts", config.get("num_local_experts", 0))
     state = {}
-    for name, t in hf_tensors(paths, arch, experts):
+    for name, t in hf_tensors(paths, arch, experts, tables):
         if t.tensor_type.name in TYPES and len(t.shape) == 2:
             state[name] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
         else:
-            state[name] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+            state[name] = bf16_tensor(t, arch, n_heads, n_kv)
     return state
 
 
