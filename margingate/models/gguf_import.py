@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_header import check_header
 from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
-from .gguf_tensors import RawTensor, TensorTables, tensor_tables
+from .gguf_tensors import Header, RawTensor, TensorTables, read_headers, tensor_tables
 
 __all__ = ["GGUFError", "convert", "load_quantized", "hf_name", "unpermute", "readers", "architecture"]
 
@@ -27,24 +26,14 @@ IMPORT_VERSION = 3
 SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
 
 
-def readers(paths: list[Path]):
-    import gguf
-
-    return [_reader(gguf, p) for p in paths]
-
-
-def _reader(gguf, path: Path):
-    try:
-        # every count, length, type, shape and offset checked against the file before the reader trusts them
-        check_header(path, {int(kind): sizes for kind, sizes in gguf.GGML_QUANT_SIZES.items()})
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, OSError) as exc:  # a short file fails as its last tensors are mapped
-        raise GGUFError(f"{path} ({path.stat().st_size:,} bytes) is not a complete GGUF file: {exc}. "
-                        "It is truncated (an interrupted download, or not all of its parts) or corrupt") from exc
+def readers(paths: list[Path]) -> list[Header]:
+    """Each part's header (gguf_tensors.Header: metadata and tensors), every count, length, type, shape and
+    offset checked against the file; GGUFError names a file that cannot back them."""
+    return read_headers(paths)[0]
 
 
-def metadata(reader) -> dict:
-    return {k: f.contents() for k, f in reader.fields.items()
+def metadata(reader: Header) -> dict:
+    return {k: v for k, v in reader.meta.items()
             if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                          "tokenizer.ggml.token_type")}
 
@@ -226,7 +215,7 @@ def rope_config(get, reader) -> dict:
     the metadata; any other scaling type under its own name, which the config reader refuses."""
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
-        return {"rope_freq_factors": [float(v) for v in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]}
+        return {"rope_freq_factors": [float(v) for v in np.asarray(freqs.dequantized(), dtype=np.float32).reshape(-1)]}
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return {}
@@ -238,7 +227,7 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
     ids = [int(meta["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in meta else []
     ids += [int(meta[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
     if meta.get("general.architecture") == "gemma3":  # its chat turns end with <end_of_turn>
-        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        tokens = reader.meta["tokenizer.ggml.tokens"]
         ids += [tokens.index("<end_of_turn>")] if "<end_of_turn>" in tokens else []
     ids = list(dict.fromkeys(ids))
     return ids[0] if len(ids) == 1 else ids
@@ -251,7 +240,7 @@ def save_tokenizer(gguf_path: Path, out: Path, reader) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
-        field = reader.fields.get("tokenizer.chat_template")
-        if field is not None:  # none: a base model, prompted as text (tokenizer.py)
-            tok.chat_template = field.contents()
+        template = reader.meta.get("tokenizer.chat_template")
+        if template is not None:  # none: a base model, prompted as text (tokenizer.py)
+            tok.chat_template = template
     tok.save_pretrained(str(out))

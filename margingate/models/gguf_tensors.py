@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .gguf_names import GGUFError
+
 PLAIN = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # types read without gguf
 
 
@@ -45,13 +47,35 @@ def ggml_types() -> dict[int, GGMLType]:
     return {int(k): GGMLType(int(k), k.name, *s) for k, s in gguf.GGML_QUANT_SIZES.items()}
 
 
-def tensor_tables(paths: list[Path]) -> TensorTables:
-    """Each part's tensor table, its header walked and checked, and the types it names."""
-    from .gguf_header import tensor_table
+class Header(NamedTuple):
+    """One part's header: its metadata (every key, the vocabulary's too) and its tensors."""
+    meta: dict
+    tensors: list[RawTensor]
+
+
+def read_headers(paths: list[Path]) -> tuple[list[Header], TensorTables]:
+    """Each part's header, walked and checked (gguf_header.read_header), and the parts' tensor tables."""
+    from .gguf_header import read_header
 
     types = ggml_types()
-    parts = [tensor_table(p, {k: (t.block, t.block_bytes) for k, t in types.items()}) for p in paths]
-    return TensorTables(parts, {kind: types[kind] for part in parts for _, _, kind, _, _ in part})
+    sizes = {k: (t.block, t.block_bytes) for k, t in types.items()}
+    read = [_checked(read_header, p, sizes) for p in paths]
+    tables = TensorTables([table for _, table in read], {e[2]: types[e[2]] for _, table in read for e in table})
+    return [Header(meta, [RawTensor(p, e, tables.types) for e in table])
+            for p, (meta, table) in zip(paths, read)], tables
+
+
+def _checked(read, path: Path, sizes: dict):
+    try:
+        return read(path, sizes)
+    except (ValueError, IndexError, OSError) as exc:
+        raise GGUFError(f"{path} ({path.stat().st_size:,} bytes) is not a complete GGUF file: {exc}. "
+                        "It is truncated (an interrupted download, or not all of its parts) or corrupt") from exc
+
+
+def tensor_tables(paths: list[Path]) -> TensorTables:
+    """Each part's tensor table, its header walked and checked, and the types it names."""
+    return read_headers(paths)[1]
 
 
 class RawTensor:
@@ -64,6 +88,10 @@ class RawTensor:
         self.name, dims, kind, self.start, self.nbytes = entry
         self.path, self.tensor_type, self.shape = path, types[kind], list(dims)
         self.rows = (*reversed(dims[1:]), dims[0] // self.tensor_type.block * self.tensor_type.block_bytes)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
 
     @property
     def data(self) -> np.ndarray:
