@@ -233,14 +233,34 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
     return ids[0] if len(ids) == 1 else ids
 
 
-def save_tokenizer(gguf_path: Path, out: Path, reader) -> None:
+def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template); `reader`:
-    the file's, already read."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    the file's header, already read."""
+    tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         template = reader.meta.get("tokenizer.chat_template")
         if template is not None:  # none: a base model, prompted as text (tokenizer.py)
             tok.chat_template = template
     tok.save_pretrained(str(out))
+
+
+# GGUF architectures whose tokenizer class transformers' AutoTokenizer picks from the model type alone (what it
+# names the type: gemma3's is gemma3_text), when no tokenizer or config file lies beside the GGUF.
+BY_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+
+
+def gguf_tokenizer(gguf_path: Path, meta: dict):
+    """transformers' AutoTokenizer of a GGUF file. AutoTokenizer first reads the whole file with gguf's reader
+    to learn the model type (a minute for a 262k vocabulary: a numpy view per string) and then has the type's
+    tokenizer class read the tokenizer with transformers' own fast reader; here the type comes from the header
+    we read already, and the class is the one AutoTokenizer maps it to. Where its choice depends on more (a
+    tokenizer_config.json or config.json beside the file, a Mistral name, another architecture), AutoTokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    arch = meta.get("general.architecture")
+    beside = any((gguf_path.parent / f).exists() for f in ("tokenizer_config.json", "config.json", "tokenizer.json"))
+    if arch not in BY_TYPE or beside or "mistral" in str(meta.get("general.name", "")).lower():
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    cls = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(BY_TYPE[arch])), TokenizersBackend)
+    return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

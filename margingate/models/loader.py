@@ -64,10 +64,7 @@ def resolve_model_dir(model: str, tensors: bool = True) -> Path:
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file")
         parts = split_parts(path)
-        st = [p.stat() for p in parts]
-        key = hashlib.sha256(repr([(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, st)])
-                             .encode()).hexdigest()[:12]
-        folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+        folder = converted_folder(parts)
         with _converting(folder):
             if not _converted(folder, tensors):
                 _convert(parts, folder, tensors)
@@ -77,6 +74,15 @@ def resolve_model_dir(model: str, tensors: bool = True) -> Path:
     if not list(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"model folder {path} has no *.safetensors weights")
     return path
+
+
+def converted_folder(parts: list[Path]) -> Path:
+    """Where a GGUF file's (not a named model's) config and tokenizer are converted: keyed by its parts' paths,
+    sizes and mtimes."""
+    st = [p.stat() for p in parts]
+    key = hashlib.sha256(repr([(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, st)])
+                         .encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{parts[0].stem}-{key}"
 
 
 def gguf_parts(model: str) -> list[Path] | None:
