@@ -3,7 +3,9 @@
     python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force] [--base DIR]
 
 Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
-(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; the Qwen3-MoE ones
+(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; 270m Gemma 3 270M's
+(hidden 640, 18 layers, 4 heads / 1 KV head of 256, the head tied to the embedding), which with --vocab 262144
+has its vocabulary's size too; the Qwen3-MoE ones
 (moe-tiny, moe-a1b) and Qwen3-1.7B's dense one (qwen3-1.7b) in SIZES' comments. No hub is
 reachable here, so the vocabulary, tokenizer files, bos/eos ids, rope_theta, rms_norm_eps and
 context length are the embedded SmolLM2-135M's (vocab 49152; rope_theta 100000, not Llama 3's
@@ -36,6 +38,7 @@ SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128),  # Qwen3-1.7B's dense shape (q/k norms)
     "270m": (640, 2048, 18, 4, 1, 256),  # Gemma 3 270M's shape as a Llama; with --vocab 262144, its vocabulary's size
 }
+TIED = {"270m"}  # sizes whose head is the embedding (Gemma 3's is)
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 MOE = {"moe-tiny": (8, 2, 128), "moe-a1b": (64, 8, 768)}  # experts, experts per token, expert intermediate
 SHARD_BYTES = 2 * 10**9
@@ -61,7 +64,7 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
         "head_dim": head_dim, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "rope_theta": base["rope_theta"], "rms_norm_eps": base["rms_norm_eps"],
         "max_position_embeddings": base.get("max_position_embeddings", 8192),
-        "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
+        "tie_word_embeddings": size in TIED, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
         **moe,
     }
 
@@ -89,7 +92,8 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             x = f"{p}mlp.experts.{e}."
             out += [(x + "gate_proj.weight", (moe, hidden)), (x + "up_proj.weight", (moe, hidden)),
                     (x + "down_proj.weight", (hidden, moe))]
-    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (cfg["vocab_size"], hidden))]
+    head = [] if cfg["tie_word_embeddings"] else [("lm_head.weight", (cfg["vocab_size"], hidden))]
+    return out + [("model.norm.weight", (hidden,)), *head]
 
 
 def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int = SHARD_BYTES) -> list[list[tuple[str, tuple]]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import tokenizer_snapshot
 from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
 from .gguf_tensors import Header, RawTensor, TensorTables, read_headers, tensor_tables
 
@@ -235,13 +236,19 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
 
 def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template); `reader`:
-    the file's header, already read."""
+    the file's header, already read. Where transformers loads the saved tokenizer.json as it is (a class that
+    does not rebuild it: TokenizersBackend's), the folder's snapshot (tokenizer_snapshot.py) is taken from this
+    tokenizer now, not from a second load; the others (Qwen2's class adds a normalizer) load it at first use."""
+    from transformers import TokenizersBackend
+
     tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         template = reader.meta.get("tokenizer.chat_template")
         if template is not None:  # none: a base model, prompted as text (tokenizer.py)
             tok.chat_template = template
     tok.save_pretrained(str(out))
+    if type(tok) is TokenizersBackend or "__init__" not in type(tok).__dict__:  # transformers' own test
+        tokenizer_snapshot.take_for(out, tok)
 
 
 # GGUF architectures whose tokenizer class transformers' AutoTokenizer picks from the model type alone (what it
