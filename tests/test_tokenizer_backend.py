@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from tokenizer_parity import check_same_as_transformers
 
 from margingate.models import tokenizer_snapshot
@@ -28,6 +29,7 @@ def test_a_loaded_tokenizer_imports_no_transformers(model_dir):
     assert ids.strip("[ ") and imported.strip() == "False", out.stdout
 
 
+@pytest.mark.slow
 def test_the_snapshot_is_transformers_build_not_the_file(tmp_path, model_dir, monkeypatch):
     """A folder whose tokenizer.json differs from what transformers builds (Qwen2's class adds NFC): the snapshot
     keeps transformers' build, and a changed file is a new snapshot."""

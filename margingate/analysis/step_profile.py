@@ -15,10 +15,6 @@ import pstats
 import statistics
 import time
 
-from ..data.prompts import builtin_prompts
-from ..engine import Request
-from ..kernels import invariant
-
 STEPS = 20          # timed steps (half without, half under the profiler)
 CONTEXT = 32        # tokens decoded before timing starts
 LINEAR, ATTENTION, ROWWISE, LOGITS, REST = "linear", "attention", "norms, rotary, K/V write", "logits, sampling", \
@@ -45,6 +41,10 @@ def _kind(name: str, fused: bool) -> str:
 def profile(llm, policy: str = "fast", batch_size: int = 1, steps: int = STEPS) -> dict:
     """`batch_size` requests (the built-in prompts) decode CONTEXT tokens, then `steps` // 2 steps are timed
     and as many profiled: the median step in ms, and the profiled ms per step by kind."""
+    from ..data.prompts import builtin_prompts
+    from ..engine import Request  # torch: loaded by the model already, not by the commands' --help
+    from ..kernels import invariant
+
     engine, prompts = llm.engine, builtin_prompts()
     seqs = [engine.add_request(Request(llm.tokenizer.encode_prompt(prompts[i % len(prompts)]), CONTEXT + steps + 8,
                                        llm.policy(policy), ignore_eos=True, request_id=f"profile-{policy}-{i}"))
