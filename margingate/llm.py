@@ -87,10 +87,10 @@ class LLM:
         self.profile = load_profile(self.config)
         self.default_tau = float(self.profile["tau"]) if self.profile else DEFAULT_TAU
         self.default_policy = self.policy(policy)
-        self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.config.vocab_size)
         draft = self._load_draft(draft_model, config) if draft_model is not None else None
         self.engine = Engine(self.model, config, lambda: self.default_policy, draft=draft,
-                             detokenize=text_decoder(self.tokenizer.hf), grammars=self.grammars)
+                             detokenize=text_decoder(self.tokenizer), grammars=self.grammars)
         self.load_seconds = time.perf_counter() - started  # this start: kernels, tokenizer, weights, engine
 
     def _state(self, model: str, weights: str, quantize: str | None):

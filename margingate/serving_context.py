@@ -39,9 +39,9 @@ class ServingContext:
         self.model_id, self.engine, self.tokenizer, self.policy = model_id, engine, tokenizer, policy
         self.device, self.default_tau, self.vocab_size = device, default_tau, vocab_size
         self.environment = {**environment, "num_threads": engine.num_threads}
-        self.chat_template: str | None = getattr(tokenizer.hf, "chat_template", None)
-        self.lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
-        self.grammars.tokenizer  # built now, before any thread shares the HF tokenizer it reads (~1 s)
+        self.chat_template = tokenizer.chat_template
+        self.lock = threading.Lock()  # one request's tokenizer work at a time (the template renders in Python)
+        self.grammars.tokenizer  # built now (~1 s), not inside a request
 
     @classmethod
     def of(cls, llm, engine: Engine | None = None) -> ServingContext:
@@ -84,9 +84,9 @@ class ServingContext:
     def decode(self, ids: list[int]) -> str:
         """As the engine decodes a request's text (detokenize.py): /detokenize of a response's ids gives its text."""
         with self.lock:
-            return decode_text(self.tokenizer.hf, ids)
+            return decode_text(self.tokenizer, ids)
 
     def prompt_tail(self, ids: list[int], tokens: int = 32) -> str:
         """The text of the prompt's last tokens, special ones included (where a template opened a reasoning)."""
         with self.lock:
-            return self.tokenizer.hf.decode(ids[-tokens:], skip_special_tokens=False)
+            return self.tokenizer.decode(ids[-tokens:], skip_special_tokens=False)

@@ -3,7 +3,9 @@
     python scripts/make_random_model.py --size 1b|8b --out DIR [--seed N] [--force] [--base DIR]
 
 Shapes: 1b is Llama 3.2 1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64), 8b Llama 3 8B's
-(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; the Qwen3-MoE ones
+(hidden 4096, 32 layers, 32 heads / 8 KV heads of 128); both with their own lm_head; 270m Gemma 3 270M's
+(hidden 640, 18 layers, 4 heads / 1 KV head of 256, the head tied to the embedding), which with --vocab 262144
+has its vocabulary's size too; the Qwen3-MoE ones
 (moe-tiny, moe-a1b) and Qwen3-1.7B's dense one (qwen3-1.7b) in SIZES' comments. No hub is
 reachable here, so the vocabulary, tokenizer files, bos/eos ids, rope_theta, rms_norm_eps and
 context length are the embedded SmolLM2-135M's (vocab 49152; rope_theta 100000, not Llama 3's
@@ -34,7 +36,9 @@ SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
     "moe-tiny": (256, 512, 2, 4, 2, 64),
     "moe-a1b": (2048, 6144, 16, 32, 4, 128),
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128),  # Qwen3-1.7B's dense shape (q/k norms)
+    "270m": (640, 2048, 18, 4, 1, 256),  # Gemma 3 270M's shape as a Llama; with --vocab 262144, its vocabulary's size
 }
+TIED = {"270m"}  # sizes whose head is the embedding (Gemma 3's is)
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 MOE = {"moe-tiny": (8, 2, 128), "moe-a1b": (64, 8, 768)}  # experts, experts per token, expert intermediate
 SHARD_BYTES = 2 * 10**9
@@ -60,7 +64,7 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
         "head_dim": head_dim, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "rope_theta": base["rope_theta"], "rms_norm_eps": base["rms_norm_eps"],
         "max_position_embeddings": base.get("max_position_embeddings", 8192),
-        "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
+        "tie_word_embeddings": size in TIED, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
         **moe,
     }
 
@@ -88,7 +92,8 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             x = f"{p}mlp.experts.{e}."
             out += [(x + "gate_proj.weight", (moe, hidden)), (x + "up_proj.weight", (moe, hidden)),
                     (x + "down_proj.weight", (hidden, moe))]
-    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (cfg["vocab_size"], hidden))]
+    head = [] if cfg["tie_word_embeddings"] else [("lm_head.weight", (cfg["vocab_size"], hidden))]
+    return out + [("model.norm.weight", (hidden,)), *head]
 
 
 def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int = SHARD_BYTES) -> list[list[tuple[str, tuple]]]:
@@ -146,6 +151,28 @@ def copy_tokenizer(base: Path, out: Path) -> list[str]:
     return copied
 
 
+def grow_vocabulary(out: Path, n_vocab: int) -> None:
+    """Grow the folder's byte-level BPE (the embedded model's 49,152 tokens) to `n_vocab` tokens: each new token
+    joins two of the first 2,048 in a fixed order, with its merge ranked after every existing one, so the
+    tokenizer stays a valid BPE of that size (what a start converts and loads; the text it makes is not a
+    real model's)."""
+    path = out / "tokenizer.json"
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+    taken = set(vocab) | {t["content"] for t in tok.get("added_tokens", [])}
+    first = sorted(vocab, key=vocab.get)[:2048]
+    size = max([*vocab.values(), *(t["id"] for t in tok.get("added_tokens", []))]) + 1
+    pairs = ((a, b) for a in first for b in first)
+    while size < n_vocab:
+        a, b = next(pairs)
+        if a + b not in taken:
+            taken.add(a + b)
+            vocab[a + b] = size
+            merges.append(f"{a} {b}" if isinstance(merges[0], str) else [a, b])
+            size += 1
+    path.write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+
+
 def verify(out: Path) -> str:
     """Cheap: our loader reads config.json, and the files' tensor names and shapes are the ones its
     name map wants (read from the safetensors headers, nothing loaded)."""
@@ -164,7 +191,7 @@ def verify(out: Path) -> str:
 
 
 def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int | None = None,
-         progress: bool = True, base: Path | None = None) -> Path:
+         progress: bool = True, base: Path | None = None, vocab: int | None = None) -> Path:
     from margingate.models.loader import resolve_model_dir
 
     if out.exists() and any(out.iterdir()):
@@ -179,6 +206,9 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
     cfg = config(size, json.loads((base / "config.json").read_text()), layers)
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(base, out)
+    if vocab is not None and vocab > cfg["vocab_size"]:
+        grow_vocabulary(out, vocab)
+        cfg["vocab_size"] = vocab
     write(out, cfg, seed, progress)
     # Last: an interrupted run leaves no config.json, which the loader refuses, not half the weights.
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -187,15 +217,17 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,moe-a1b,moe-tiny,qwen3-1.7b}")
+    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,270m,moe-a1b,moe-tiny,qwen3-1.7b}")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # a shallower copy, for tests
+    p.add_argument("--vocab", type=int, default=None,
+                   help="grow the tokenizer to this many tokens (262144: Gemma 3's vocabulary size)")
     p.add_argument("--base", type=Path, default=None,
                    help="a folder with config.json and tokenizer files (default: the embedded model)")
     args = p.parse_args(argv)
-    out = make(args.size, args.out, args.seed, args.force, args.layers, base=args.base)
+    out = make(args.size, args.out, args.seed, args.force, args.layers, base=args.base, vocab=args.vocab)
     print(f"{out}: {args.size} random Llama, seed {args.seed}, fingerprint {verify(out)}", file=sys.stderr)
 
 

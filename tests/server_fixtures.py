@@ -30,7 +30,7 @@ def make_server(llm, *, slots: int = SLOTS, max_len: int = 512, grace_s: float =
     engine = Engine(llm.model, EngineConfig(max_num_seqs=slots, max_model_len=max_len,
                                             prefix_cache_tokens=prefix_cache_tokens,
                                             num_threads=llm.engine.num_threads), lambda: llm.policy("fast"),
-                    detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
+                    detokenize=text_decoder(llm.tokenizer), grammars=llm.grammars)
     app_kw.setdefault("default_max_tokens", 16)
     app = create_app(llm, engine=engine, **app_kw)
     srv = BackgroundServer(app, grace_s=grace_s)

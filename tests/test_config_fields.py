@@ -157,7 +157,7 @@ def test_a_gguf_states_its_rope_scaling_in_config_json():
 
     from margingate.models.gguf_import import ROPE_FREQS, rope_config
 
-    freqs = SimpleNamespace(name=ROPE_FREQS, data=np.array([1.0, 1.0, 2.5, 8.0], dtype=np.float32))
+    freqs = SimpleNamespace(name=ROPE_FREQS, dequantized=lambda: np.array([1.0, 1.0, 2.5, 8.0], dtype=np.float32))
     reader = SimpleNamespace(tensors=[SimpleNamespace(name="token_embd.weight"), freqs])
     assert rope_config(lambda key, default=None: default, reader) == {"rope_freq_factors": [1.0, 1.0, 2.5, 8.0]}
     meta = {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}

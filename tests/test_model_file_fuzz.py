@@ -114,7 +114,7 @@ def read_gguf(path) -> None:
     arch = gguf_import.architecture(gguf_import.metadata(reader), path)
     for t in reader.tensors:
         gguf_import.hf_name(t.name, arch)
-        gguf.quants.dequantize(t.data, t.tensor_type)
+        t.dequantized()
 
 
 def test_mutated_gguf_headers_end_in_a_named_error_or_a_valid_read(small_gguf, tmp_path):

@@ -148,7 +148,7 @@ def test_serve_replicas_answer_as_the_single_process_server(pool, llm, prompts):
         return body["choices"][0]["message"]["content"], body["choices"][0].get("token_ids"), report, env
 
     engine = Engine(llm.model, EngineConfig(max_num_seqs=4, max_model_len=512), lambda: llm.policy("fast"),
-                    detokenize=text_decoder(llm.tokenizer.hf), grammars=llm.grammars)
+                    detokenize=text_decoder(llm.tokenizer), grammars=llm.grammars)
     with TestClient(create_app(llm, config, engine=engine)) as local:
         expected = [ask(local, t) for t in texts]
 

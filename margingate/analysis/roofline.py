@@ -2,7 +2,7 @@
 
 A decode step of B rows must stream every weight once and each row's K/V prefix, and it
 must do the step's FLOPs. `measure` times this machine's memory bandwidth (a read pass over
-a buffer well beyond the last-level cache, as STREAM does) and its GEMM rate (a large square
+a 2 GiB buffer, far beyond the last-level cache, as STREAM does) and its GEMM rate (a large square
 GEMM: bf16 where the CPU has bf16 dot products, else fp32, the fastest a CPU without them does;
 torch's bf16 GEMM there takes minutes), at the thread count the bench runs at. `workload_floor` turns those into
 the least time a whole bench workload could take: for each wave of B requests, one prefill
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from ..models.config import ModelConfig
 
-BANDWIDTH_BYTES = 1 << 30   # 1 GiB: far beyond any last-level cache
+BANDWIDTH_BYTES = 2 << 30   # 2 GiB: far beyond any last-level cache, about a 1B model's bf16 weights
 GEMM_SIZE = 2048            # bf16 square GEMM: 17 GFLOP a call, compute-bound on CPUs
 BF16 = 2                    # bytes
 
@@ -134,7 +134,8 @@ def format_roofline(r: dict) -> str:
     m = r["machine"]
     lines = ["### The floor (roofline)", "",
              f"Measured here at {m['threads']} threads: read bandwidth **{m['read_gb_s']:.1f} GB/s** (sum over a "
-             f"1 GiB buffer, best of 5), {m.get('gemm_dtype', 'bf16')} GEMM **{m['gemm_gflop_s']:.0f} GFLOP/s** "
+             f"{BANDWIDTH_BYTES >> 30} GiB buffer, best of 5), {m.get('gemm_dtype', 'bf16')} GEMM "
+             f"**{m['gemm_gflop_s']:.0f} GFLOP/s** "
              f"({GEMM_SIZE}^3 `torch.mm`, "
              f"best of 5). A decode step streams {r['weight_mb']:.0f} MB of weights plus each row's K/V and does "
              f"{r['gflop_per_row']:.2f} GFLOP per row; floor = max(bytes / bandwidth, FLOPs / GEMM rate) per step, "

@@ -25,6 +25,7 @@ from ..analysis.outputs import machine_line, percent, rss_mb, write_report
 from ..analysis.passes import format_profile, pass_profile
 from ..analysis.roofline import StepCost, format_roofline, measure, roofline
 from ..analysis.runs import CachedRuns
+from ..analysis.step_profile import decode_roofline, format_decode_roofline
 from ..environment import kept_quantized
 from ..options import PolicySpec
 from ..peers import PEERS, make_peers
@@ -180,7 +181,7 @@ def format_table(title: str, summary: dict) -> str:
 def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], batch_sizes: list[int],
               max_new_tokens: int, repeats: int, warmup: int, protected_shares: list[float],
               out: Path | None, progress: bool = True, peers: dict | None = None, workload: str = "",
-              profile_passes: bool = True, decode_only: bool = False) -> dict:
+              profile_passes: bool = True, decode_only: bool = False, step_profile: bool = True) -> dict:
     report = {"workload": workload, "max_new_tokens": max_new_tokens, "prompts": len(prompts_ids),
               "repeats": repeats, "warmup": warmup, "variants": variants, "main": {}, "protected_sweep": {},
               "peers": {}}
@@ -207,6 +208,8 @@ def run_bench(llm_factory, prompts_ids: list[list[int]], variants: list[str], ba
             cost = StepCost.of(llm.config, streamed_bytes(llm.model.own_weights))
             report["roofline"] = floor = roofline(cost, measure(llm.engine.num_threads),
                                                   [len(p) for p in prompts_ids], max_new_tokens, batch_sizes)
+            if step_profile:  # B = 1 decode against the same bandwidth, and where its step's time goes
+                report["decode_roofline"] = decode_roofline(llm, floor["machine"]["read_gb_s"])
         bench = Bench(llm, progress, references, in_process)
         summary = bench.compare(variants, Workload(prompts_ids, max_new_tokens, b), repeats, warmup, external,
                                 decode_only)
@@ -237,6 +240,8 @@ def markdown(report: dict) -> str:
              f"{machine_line(env)}; tau {env.get('default_tau')} ({env.get('tau_source')}).\n"]
     if report.get("roofline"):
         parts.append(format_roofline(report["roofline"]))
+    if report.get("decode_roofline"):
+        parts.append(format_decode_roofline(report["decode_roofline"]))
     for key, summary in report["main"].items():
         parts.append(format_table(f"batch size {key[1:]}, all requests protected", summary))
         rss = report.get("rss_mb", {}).get(key, {})
@@ -274,6 +279,8 @@ def add_parser(sub) -> None:
                    "e.g. hf,vllm,llamacpp")
     p.add_argument("--no-pass-profile", action="store_true",
                    help="skip timing one fast step against verifier passes at the largest batch size")
+    p.add_argument("--no-step-profile", action="store_true",
+                   help="skip B = 1 decode against the read floor and its per-step profile (analysis/step_profile.py)")
     p.add_argument("--decode-only", action="store_true",
                    help="also time each contender with one new token, and report decode alone (the difference)")
     p.add_argument("--quick", action="store_true",
@@ -291,7 +298,7 @@ def _cmd(args) -> None:
         raise ValueError(f"unknown bench policy {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     if args.quick:
         args.limit, args.max_new_tokens, args.batch_sizes, args.repeats, args.warmup = 8, 32, [8], 1, 0
-        args.no_pass_profile = True
+        args.no_pass_profile = args.no_step_profile = True
     peer_names = [x.strip() for x in args.peers.split(",") if x.strip()]
     if any(n not in PEERS for n in peer_names):
         raise ValueError(f"unknown peer {next(n for n in peer_names if n not in PEERS)!r} "
@@ -324,7 +331,8 @@ def _cmd(args) -> None:
     report = run_bench(factory, ids, variants, args.batch_sizes, args.max_new_tokens, args.repeats, args.warmup,
                        shares, Path(args.out) if args.out else None, progress=not args.json, peers=peers,
                        workload=args.dataset or args.prompts_file or "built-in prompts",
-                       profile_passes=not args.no_pass_profile, decode_only=args.decode_only)
+                       profile_passes=not args.no_pass_profile, decode_only=args.decode_only,
+                       step_profile=not args.no_step_profile)
     print(json.dumps(report) if args.json else markdown(report))
     if args.device.startswith("cuda"):  # what `auto` resolves to on this GPU from now on
         from ..options.auto_rule import record

@@ -22,7 +22,6 @@ tested for a stop string.
 """
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -31,15 +30,16 @@ Decode = Callable[[list[int]], str]
 PARTIAL = "\ufffd"  # what a decode shows for bytes of a character not yet complete
 
 
-def decode_text(hf_tokenizer, ids: list[int]) -> str:
-    """The text of `ids`, as every request's text is built: no special tokens, no space clean-up."""
-    return hf_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def decode_text(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` (`models.tokenizer.Tokenizer`'s), as every request's text is built: no special tokens,
+    no space clean-up."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up=False)
 
 
-def text_decoder(hf_tokenizer) -> Decode:
-    """`decode_text` on a private copy of the tokenizer: the engine thread decodes without the lock that
-    HTTP handlers take for theirs (a Rust tokenizer shared across threads can fail "Already borrowed")."""
-    return functools.partial(decode_text, copy.deepcopy(hf_tokenizer))
+def text_decoder(tokenizer) -> Decode:
+    """`decode_text` on the model's tokenizer. No private copy: its decode only reads the Rust tokenizer, which
+    threads may share (transformers' wrapper set padding and truncation at each call, hence the copy it needed)."""
+    return functools.partial(decode_text, tokenizer)
 
 
 class _Mark(NamedTuple):

@@ -41,8 +41,8 @@ class AfterReasoning(StructuredOutput):
 class Grammars:
     """Compiles constraints against one tokenizer; the tokenizer's table is built on first use (~1 s)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, cache_size: int = 64):
-        self.hf_tokenizer, self.vocab_size, self.cache_size = hf_tokenizer, vocab_size, cache_size
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+        self.text_tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self._tokenizer = None
         self._compiled: dict[tuple[str, str], str] = {}
         self._special: dict[str, bool] = {}
@@ -55,9 +55,11 @@ class Grammars:
     def tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                # what llguidance.hf.from_tokenizer builds from transformers' wrapper: the Rust tokenizer's JSON
+                self._tokenizer = llguidance.LLTokenizer(self.text_tokenizer.backend_json(), n_vocab=self.vocab_size,
+                                                         eos_token=self.text_tokenizer.eos_token_id)
             return self._tokenizer
 
     def is_special(self, text: str) -> bool:
@@ -67,7 +69,7 @@ class Grammars:
         tokenizer = self.tokenizer
         with self._lock:
             if text not in self._special:
-                ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
+                ids = self.text_tokenizer.encode(text)
                 self._special[text] = len(ids) == 1 and tokenizer.is_special_token(ids[0])
             return self._special[text]
 

@@ -8,7 +8,6 @@ Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_header import check_header
+from . import tokenizer_snapshot
 from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
+from .gguf_tensors import Header, RawTensor, TensorTables, read_headers, tensor_tables
 
 __all__ = ["GGUFError", "convert", "load_quantized", "hf_name", "unpermute", "readers", "architecture"]
 
@@ -27,24 +27,14 @@ IMPORT_VERSION = 3
 SHARD_BYTES = 2 << 30  # safetensors shard size: bounds the conversion's memory, not the model's
 
 
-def readers(paths: list[Path]):
-    import gguf
-
-    return [_reader(gguf, p) for p in paths]
-
-
-def _reader(gguf, path: Path):
-    try:
-        # every count, length, type, shape and offset checked against the file before the reader trusts them
-        check_header(path, {int(kind): sizes for kind, sizes in gguf.GGML_QUANT_SIZES.items()})
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, OSError) as exc:  # a short file fails as its last tensors are mapped
-        raise GGUFError(f"{path} ({path.stat().st_size:,} bytes) is not a complete GGUF file: {exc}. "
-                        "It is truncated (an interrupted download, or not all of its parts) or corrupt") from exc
+def readers(paths: list[Path]) -> list[Header]:
+    """Each part's header (gguf_tensors.Header: metadata and tensors), every count, length, type, shape and
+    offset checked against the file; GGUFError names a file that cannot back them."""
+    return read_headers(paths)[0]
 
 
-def metadata(reader) -> dict:
-    return {k: f.contents() for k, f in reader.fields.items()
+def metadata(reader: Header) -> dict:
+    return {k: v for k, v in reader.meta.items()
             if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                          "tokenizer.ggml.token_type")}
 
@@ -106,7 +96,6 @@ def convert(paths: list[Path], folder: Path, tensors: bool = True, metadata_too:
 def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
     """Every tensor dequantized to bf16 (each expert of a stacked tensor apart), in safetensors shards
     of about SHARD_BYTES."""
-    import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -115,7 +104,7 @@ def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
     tensors = list(hf_tensors(paths, arch, int(meta.get(f"{prefix}.expert_count", 0) or 0)))
     shard, size, shards = {}, 0, 0
     for name, t in tqdm(tensors, desc=f"dequantizing {paths[0].name} to bf16", unit="tensor"):
-        w = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+        w = bf16_tensor(t, arch, n_heads, n_kv)
         shard[name] = w
         size += 2 * w.numel()
         if size >= SHARD_BYTES:
@@ -126,9 +115,9 @@ def _write_tensors(paths: list[Path], arch: str, meta: dict, out: Path) -> None:
         save_file(shard, str(out / (f"model-{shards + 1:05d}.safetensors" if shards else "model.safetensors")))
 
 
-def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
+def bf16_tensor(t: RawTensor, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     """One GGUF tensor dequantized to bf16, llama.cpp's conventions undone (Q/K rows, Gemma's norms)."""
-    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    w = torch.from_numpy(t.dequantized())
     if ARCHS[arch].permuted and ".attn_q." in t.name:
         w = unpermute(w, n_heads)
     elif ARCHS[arch].permuted and ".attn_k." in t.name:
@@ -138,41 +127,14 @@ def bf16_tensor(gguf, t, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
     return w.to(torch.bfloat16).contiguous()
 
 
-class RawTensor:
-    """A GGUF tensor as gguf's reader presents one (name, tensor_type, shape, data), found in the file's
-    tensor table: no reader, which decodes every metadata value first (seconds per load). `data` is
-    read from the file each time it is asked for, not mapped: a mapping would keep every page of the
-    file resident beside the repacked model until the last tensor is built."""
-
-    def __init__(self, gguf, path: Path, entry: tuple):
-        self.name, dims, kind, self.start, self.nbytes = entry
-        self.path, self.tensor_type, self.shape = path, gguf.GGMLQuantizationType(kind), list(dims)
-        block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor_type]
-        self.rows = (*reversed(dims[1:]), dims[0] // block * block_bytes)
-
-    @property
-    def data(self) -> np.ndarray:
-        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
-
-    def expert(self, e: int) -> RawTensor:
-        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts])."""
-        part = copy.copy(self)
-        part.nbytes = self.nbytes // self.shape[2]
-        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:2], self.rows[1:]
-        return part
-
-
-def hf_tensors(paths: list[Path], arch: str, experts: int):
+def hf_tensors(paths: list[Path], arch: str, experts: int, tables: TensorTables | None = None):
     """(Hugging Face name, RawTensor) for every weight of the file, in its order; a stacked experts'
-    tensor gives one matrix per expert. The rope_freqs tensor is config (`convert` reads it there)."""
-    import gguf
-
-    from .gguf_header import tensor_table
-
-    sizes = {int(kind): s for kind, s in gguf.GGML_QUANT_SIZES.items()}
-    for path in paths:
-        for entry in tensor_table(path, sizes):
-            t = RawTensor(gguf, path, entry)
+    tensor gives one matrix per expert. The rope_freqs tensor is config (`convert` reads it there).
+    `tables`: the parts' tensor tables as an earlier load found them (packed_cache.py); None walks the headers."""
+    tables = tables or tensor_tables(paths)
+    for path, table in zip(paths, tables.parts):
+        for entry in table:
+            t = RawTensor(path, entry, tables.types)
             if t.name == ROPE_FREQS:
                 continue
             names = expert_names(hf_name(t.name, arch), experts)
@@ -183,13 +145,11 @@ def hf_tensors(paths: list[Path], arch: str, experts: int):
             yield from ((n, t.expert(e) if stacked else t) for e, n in enumerate(names))
 
 
-def load_quantized(paths: list[Path], config: dict) -> dict:
+def load_quantized(paths: list[Path], config: dict, tables: TensorTables | None = None) -> dict:
     """The GGUF's tensors by Hugging Face name, straight from the file: each matrix of a type
     gguf_quant keeps quantized as a GGUFMatrix (read when the model is built), every other tensor
     dequantized to bf16 exactly as `convert` writes it. `config`: the converted folder's config.json
-    (architecture, heads and experts)."""
-    import gguf
-
+    (architecture, heads and experts); `tables`: as hf_tensors takes them."""
     from .gguf_quant import TYPES, GGUFMatrix
 
     arch = arch_of(config["model_type"])
@@ -197,11 +157,11 @@ def load_quantized(paths: list[Path], config: dict) -> dict:
     heads = {".attn_q.": n_heads, ".attn_k.": n_kv} if ARCHS[arch].permuted else {}
     experts = config.get("num_experts", config.get("num_local_experts", 0))
     state = {}
-    for name, t in hf_tensors(paths, arch, experts):
+    for name, t in hf_tensors(paths, arch, experts, tables):
         if t.tensor_type.name in TYPES and len(t.shape) == 2:
             state[name] = GGUFMatrix(t, next((h for k, h in heads.items() if k in t.name), None))
         else:
-            state[name] = bf16_tensor(gguf, t, arch, n_heads, n_kv)
+            state[name] = bf16_tensor(t, arch, n_heads, n_kv)
     return state
 
 
@@ -256,7 +216,7 @@ def rope_config(get, reader) -> dict:
     the metadata; any other scaling type under its own name, which the config reader refuses."""
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
-        return {"rope_freq_factors": [float(v) for v in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]}
+        return {"rope_freq_factors": [float(v) for v in np.asarray(freqs.dequantized(), dtype=np.float32).reshape(-1)]}
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return {}
@@ -268,20 +228,46 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
     ids = [int(meta["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in meta else []
     ids += [int(meta[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
     if meta.get("general.architecture") == "gemma3":  # its chat turns end with <end_of_turn>
-        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        tokens = reader.meta["tokenizer.ggml.tokens"]
         ids += [tokens.index("<end_of_turn>")] if "<end_of_turn>" in tokens else []
     ids = list(dict.fromkeys(ids))
     return ids[0] if len(ids) == 1 else ids
 
 
-def save_tokenizer(gguf_path: Path, out: Path, reader) -> None:
+def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template); `reader`:
-    the file's, already read."""
-    from transformers import AutoTokenizer
+    the file's header, already read. Where transformers loads the saved tokenizer.json as it is (a class that
+    does not rebuild it: TokenizersBackend's), the folder's snapshot (tokenizer_snapshot.py) is taken from this
+    tokenizer now, not from a second load; the others (Qwen2's class adds a normalizer) load it at first use."""
+    from transformers import TokenizersBackend
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
-        field = reader.fields.get("tokenizer.chat_template")
-        if field is not None:  # none: a base model, prompted as text (tokenizer.py)
-            tok.chat_template = field.contents()
+        template = reader.meta.get("tokenizer.chat_template")
+        if template is not None:  # none: a base model, prompted as text (tokenizer.py)
+            tok.chat_template = template
     tok.save_pretrained(str(out))
+    if type(tok) is TokenizersBackend or "__init__" not in type(tok).__dict__:  # transformers' own test
+        tokenizer_snapshot.take_for(out, tok)
+
+
+# GGUF architectures whose tokenizer class transformers' AutoTokenizer picks from the model type alone (what it
+# names the type: gemma3's is gemma3_text), when no tokenizer or config file lies beside the GGUF.
+BY_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+
+
+def gguf_tokenizer(gguf_path: Path, meta: dict):
+    """transformers' AutoTokenizer of a GGUF file. AutoTokenizer first reads the whole file with gguf's reader
+    to learn the model type (a minute for a 262k vocabulary: a numpy view per string) and then has the type's
+    tokenizer class read the tokenizer with transformers' own fast reader; here the type comes from the header
+    we read already, and the class is the one AutoTokenizer maps it to. Where its choice depends on more (a
+    tokenizer_config.json or config.json beside the file, a Mistral name, another architecture), AutoTokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    arch = meta.get("general.architecture")
+    beside = any((gguf_path.parent / f).exists() for f in ("tokenizer_config.json", "config.json", "tokenizer.json"))
+    if arch not in BY_TYPE or beside or "mistral" in str(meta.get("general.name", "")).lower():
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    cls = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(BY_TYPE[arch])), TokenizersBackend)
+    return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

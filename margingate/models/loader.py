@@ -26,6 +26,7 @@ from ..paths import cache_root
 from . import gguf_import
 from .architectures import ARCHITECTURES
 from .config import ModelConfig
+from .gguf_tensors import tensor_tables
 from .named import NAMED, ModelNotFoundError, gguf_files
 from .packed_cache import PackedCache
 from .safetensors_file import mmap_safetensors
@@ -63,10 +64,7 @@ def resolve_model_dir(model: str, tensors: bool = True) -> Path:
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {path} is not a .gguf file")
         parts = split_parts(path)
-        st = [p.stat() for p in parts]
-        key = hashlib.sha256(repr([(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, st)])
-                             .encode()).hexdigest()[:12]
-        folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+        folder = converted_folder(parts)
         with _converting(folder):
             if not _converted(folder, tensors):
                 _convert(parts, folder, tensors)
@@ -76,6 +74,15 @@ def resolve_model_dir(model: str, tensors: bool = True) -> Path:
     if not list(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"model folder {path} has no *.safetensors weights")
     return path
+
+
+def converted_folder(parts: list[Path]) -> Path:
+    """Where a GGUF file's (not a named model's) config and tokenizer are converted: keyed by its parts' paths,
+    sizes and mtimes."""
+    st = [p.stat() for p in parts]
+    key = hashlib.sha256(repr([(str(p.resolve()), s.st_size, s.st_mtime_ns) for p, s in zip(parts, st)])
+                         .encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{parts[0].stem}-{key}"
 
 
 def gguf_parts(model: str) -> list[Path] | None:
@@ -190,8 +197,12 @@ def load_state_dict(folder: Path, dtype: torch.dtype = torch.bfloat16, gguf: lis
     if gguf is not None:
         check_fits(sum(p.stat().st_size for p in gguf), f"the weights of {gguf[0]}")
         config = json.loads((folder / "config.json").read_text())
-        return Checkpoint(gguf_import.load_quantized(gguf, config), source=str(gguf[0]), contract=contract,
-                          packed_cache=PackedCache.for_gguf(gguf, contract, cache_root()))
+        cache = PackedCache.for_gguf(gguf, contract, cache_root())
+        tables = cache.tables if cache is not None and cache.tables else tensor_tables(gguf)
+        if cache is not None:
+            cache.tables = tables  # kept with the matrices this load packs
+        return Checkpoint(gguf_import.load_quantized(gguf, config, tables), source=str(gguf[0]), contract=contract,
+                          packed_cache=cache)
     files = sorted(folder.glob("*.safetensors"))
     check_fits(sum(f.stat().st_size for f in files) * dtype.itemsize // 2, f"the weights of {folder}")
     state = Checkpoint({}, source=str(folder))

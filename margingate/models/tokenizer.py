@@ -1,31 +1,41 @@
-"""Tokenizer with its chat template (the HF tokenizer files in the model folder)."""
+"""The model's tokenizer and chat template, on the `tokenizers` library alone.
+
+What it loads is transformers' own tokenizer of the folder, kept once (tokenizer_snapshot.py), and the chat
+template renders as transformers renders it (chat_template.py): the same ids and text as transformers'
+AutoTokenizer, without importing transformers at a start. Its methods only read the Rust tokenizer (`&self`
+calls), so threads may share it: no private copy for the engine thread.
+"""
 from __future__ import annotations
 
 import functools
 from pathlib import Path
 
 from ..data.prompts import Prompt
+from . import chat_template, tokenizer_snapshot
+
+CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
 
 
 class Tokenizer:
     def __init__(self, folder: Path):
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as Backend
 
-        try:
-            self._tok = AutoTokenizer.from_pretrained(str(folder))
-        except Exception as exc:  # noqa: BLE001 - any failure here means the folder lacks a usable tokenizer
-            raise FileNotFoundError(f"no usable tokenizer in {folder}: {exc}") from exc
-        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        path, self.meta = tokenizer_snapshot.snapshot(Path(folder))
+        self._tok = Backend.from_file(str(path))
+        self._tok.encode_special_tokens = self.meta["split_special_tokens"]
+        self.chat_template: str | dict | None = self.meta["chat_template"]
+        self.has_chat_template = bool(self.chat_template)
+        self.eos_token_id: int | None = self.meta["eos_token_id"]
         self._bytes: dict[int, bytes] = {}
-
-    @property
-    def hf(self):
-        """The Hugging Face tokenizer underneath (structured output compiles against it)."""
-        return self._tok
 
     def same_vocabulary(self, other: Tokenizer) -> bool:
         """Do both map every token string to the same id (a draft model must share the target's)?"""
-        return self._tok.get_vocab() == other._tok.get_vocab()
+        return self._tok.get_vocab(with_added_tokens=True) == other._tok.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The Rust tokenizer serialized (llguidance reads the same string transformers' wrapper hands it)."""
+        return self._tok.to_str()
 
     def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None, **template) -> list[int]:
         """Raw text as the tokenizer frames it (Gemma: after <bos>); chat messages through the chat
@@ -33,28 +43,48 @@ class Tokenizer:
         template reads). A base model has no template (its GGUF carries none): it continues the messages'
         text, one message per paragraph, as a text-completion engine would."""
         if prompt.kind == "text":
-            return self._tok.encode(prompt.text, add_special_tokens=True)
+            return self._tok.encode(prompt.text, add_special_tokens=True).ids
         if not self.has_chat_template:
-            return self._tok.encode("\n\n".join(m["content"] for m in prompt.messages), add_special_tokens=True)
+            return self._tok.encode("\n\n".join(m["content"] for m in prompt.messages), add_special_tokens=True).ids
         template.setdefault("add_generation_prompt", True)
-        text = self._tok.apply_chat_template(list(prompt.messages), tools=tools, tokenize=False,
-                                             **template)  # tools: a template with a tool format
-        return self.encode(text)  # the template writes the special tokens itself
+        return self.encode(self.render_chat(list(prompt.messages), tools, **template))
+
+    def render_chat(self, messages: list, tools: list[dict] | None = None, **template) -> str:
+        """The chat template's text for `messages` (transformers' apply_chat_template(tokenize=False))."""
+        return chat_template.render(self._template(tools), messages, tools=tools,
+                                    special_tokens=self.meta["special_tokens"], **template)
+
+    def _template(self, tools) -> str:
+        t = self.chat_template
+        if isinstance(t, dict):  # named templates: transformers' choice
+            name = "tool_use" if tools is not None and "tool_use" in t else "default"
+            if name not in t:
+                raise ValueError(f"this model has several chat templates and no default: {sorted(t)}")
+            return t[name]
+        if not t:
+            raise ValueError("this model has no chat template")
+        return t
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        """`text`'s ids, no special tokens added (a template writes its own)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up: bool | None = None) -> str:
+        """transformers' decode: clean_up None is the tokenizer's own setting (off for BPE tokenizers)."""
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.meta["clean_up"] if clean_up is None else clean_up:
+            for before, after in CLEAN_UP:
+                text = text.replace(before, after)
+        return text
 
     def token_str(self, token_id: int) -> str:
-        return self._tok.decode([token_id])
+        return self.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (a byte-level BPE piece may be half a character, which `token_str`
         shows as U+FFFD); for other tokenizers, the UTF-8 of its text."""
         if token_id not in self._bytes:
-            piece = self._tok.convert_ids_to_tokens(token_id)
+            piece = self._tok.id_to_token(token_id)
             table = _byte_decoder()
             raw = bytes(table[c] for c in piece) if piece and all(c in table for c in piece) else None
             self._bytes[token_id] = raw if raw is not None else self.token_str(token_id).encode()

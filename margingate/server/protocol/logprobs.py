@@ -25,7 +25,7 @@ class LogprobFormatter:
     def offsets(self, ids: list[int]) -> list[int]:
         """Where each token's text begins in the text of `ids` (a prompt's, for echo)."""
         with self.lock:
-            return char_offsets(lambda window: decode_text(self.tokenizer.hf, window), ids)
+            return char_offsets(lambda window: decode_text(self.tokenizer, window), ids)
 
     def completion(self, ids: list[int], entries: list[TokenLogprob | None], offsets: list[int]) -> dict:
         """The legacy object for tokens `ids` (an entry None: the prompt's first token, which has none);
