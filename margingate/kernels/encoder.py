@@ -62,14 +62,14 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     """Exact GELU, x * Phi(x) (BERT's `gelu`, erf form), in fp32, rounded once to x's dtype: Phi(x) is
     erfc(|x| / sqrt 2) / 2 on the negative side and 1 minus it on the positive side."""
     h = x.float()
-    z = h.abs() * (1.0 / math.sqrt(2.0))
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = torch.full_like(t, _ERFC[-1])
-    for c in reversed(_ERFC[:-1]):
-        poly = poly * t + c
-    half_erfc = 0.5 * (t * exp(poly - z * z))
+    z = h.abs().mul_(1.0 / math.sqrt(2.0))
+    t = z.mul(0.5).add_(1.0).reciprocal_()  # 1 / (1 + z / 2): one IEEE division per element
+    poly = t.mul(_ERFC[-1])
+    for c in reversed(_ERFC[1:-1]):  # Horner, each step rounded once, in place
+        poly.add_(c).mul_(t)
+    half_erfc = exp(poly.add_(_ERFC[0]).sub_(z.mul_(z))).mul_(t).mul_(0.5)
     phi = torch.where(h >= 0, 1.0 - half_erfc, half_erfc)
-    return (h * phi).to(x.dtype)
+    return phi.mul_(h).to(x.dtype)
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
@@ -94,17 +94,16 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 def pooled_sum(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[texts, d] fp32: text i's rows (h's rows, text after text) summed in position order (row 0, then
-    + row 1, ...), one rounding per addition, all texts side by side; a text shorter than the longest stops
-    adding (never + 0, which would turn a -0 into +0)."""
-    h = h.float()
+    """[texts, d] fp32: each text's rows (h's rows, text after text) summed per column in contract 1's
+    order over the text's positions (`row_sums` of the transposed text). Texts are zero-padded to the
+    longest: a zero block, or a zero inside a block, leaves the contract's sum unchanged bit for bit (its
+    chains start at +0 and can never hold -0), so a text's sum is the same alone and in any batch."""
+    d, width = h.shape[-1], max(lengths)
+    padded = h.new_zeros((len(lengths), width, d), dtype=torch.float32)
     counts = torch.tensor(lengths)
-    starts = counts.cumsum(0) - counts
-    acc = h[starts].clone()
-    for j in range(1, int(counts.max())):
-        live = (j < counts).nonzero().flatten()
-        acc[live] = acc[live] + h[starts[live] + j]
-    return acc
+    rows = torch.arange(width)[None, :] < counts[:, None]
+    padded[rows] = h.float()
+    return row_sums(padded.transpose(1, 2).reshape(-1, width)).view(len(lengths), d)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
