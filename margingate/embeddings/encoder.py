@@ -82,8 +82,9 @@ def _bert_layer(state: dict, p: str) -> EncoderLayer:
     a = f"{p}.attention.self"
     qkv = torch.cat([state[f"{a}.{n}.weight"] for n in ("query", "key", "value")])
     qkv_bias = torch.cat([state[f"{a}.{n}.bias"] for n in ("query", "key", "value")]).float()
-    return EncoderLayer(pack(qkv), qkv_bias, pack(state[f"{p}.attention.output.dense.weight"]),
-                        state[f"{p}.attention.output.dense.bias"].float(), _norm(state, f"{p}.attention.output.LayerNorm"),
+    out = f"{p}.attention.output"
+    return EncoderLayer(pack(qkv), qkv_bias, pack(state[f"{out}.dense.weight"]), state[f"{out}.dense.bias"].float(),
+                        _norm(state, f"{out}.LayerNorm"),
                         pack(state[f"{p}.intermediate.dense.weight"]), state[f"{p}.intermediate.dense.bias"].float(),
                         pack(state[f"{p}.output.dense.weight"]), state[f"{p}.output.dense.bias"].float(),
                         _norm(state, f"{p}.output.LayerNorm"))
