@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .embedder import Embedder
 
-__all__ = ["decoder_pooling", "is_embedding_model", "load"]
+__all__ = ["decoder_pooling", "files_of", "is_embedding_model", "load"]
 ENCODER_TYPES = ("bert", "nomic_bert")
 MATRYOSHKA = ("nomic-embed-text-v1.5",)  # trained for truncation (its model card's `dimensions` recipe)
 
@@ -44,30 +44,35 @@ def is_embedding_model(model: str) -> bool:
     return path.is_file() and path.suffix == ".gguf" and _gguf_arch(path) in ("bert", "nomic-bert")
 
 
-def load(model: str, dtype: torch.dtype | None = None) -> Embedder:
-    """The embedder of `model` (`is_embedding_model`), its activations in `dtype` (default fp32)."""
-    import torch
-
-    from .embedder import EncoderEmbedder
-    from .encoder import EncoderModel
+def files_of(model: str):
+    """The encoder's files (`files.EncoderFiles`) of `model`: by name (found where pip put them), an encoder's
+    Hugging Face folder or a `bert` / `nomic-bert` GGUF."""
     from .files import from_gguf, from_hf_files, read_folder
     from .sources import ModelNotFoundError, extracted_file, minilm_zip, read_zip_folder
 
     path = Path(model).expanduser()
     if sources.is_named(model):
         if sources.NAMED[model].entry is not None:
-            files = from_gguf(extracted_file(model))
-        else:
-            with minilm_zip(model) as archive:
-                files = from_hf_files(read_zip_folder(archive))
-    elif path.is_dir():
-        files = from_hf_files(read_folder(path))
-    elif path.is_file() and path.suffix == ".gguf":
-        files = from_gguf(path)
-    else:
-        raise ModelNotFoundError(f"embedding model {model!r} is neither a named one ({', '.join(sources.NAMED)}) nor "
-                                 f"an encoder's folder or GGUF file")
-    name = path.name if not sources.is_named(model) else model
+            return from_gguf(extracted_file(model))
+        with minilm_zip(model) as archive:
+            return from_hf_files(read_zip_folder(archive))
+    if path.is_dir():
+        return from_hf_files(read_folder(path))
+    if path.is_file() and path.suffix == ".gguf":
+        return from_gguf(path)
+    raise ModelNotFoundError(f"embedding model {model!r} is neither a named one ({', '.join(sources.NAMED)}) nor "
+                             f"an encoder's folder or GGUF file")
+
+
+def load(model: str, dtype: torch.dtype | None = None) -> Embedder:
+    """The embedder of `model` (`is_embedding_model`), its activations in `dtype` (default fp32)."""
+    import torch
+
+    from .embedder import EncoderEmbedder
+    from .encoder import EncoderModel
+
+    files = files_of(model)
+    name = model if sources.is_named(model) else Path(model).name
     return EncoderEmbedder(name, EncoderModel(files.config, files.state), files.tokenizer, pooling=files.pooling,
                            normalize=files.normalize, max_tokens=files.max_tokens,
                            matryoshka=name.removesuffix(".gguf").removesuffix(".f16") in MATRYOSHKA,
