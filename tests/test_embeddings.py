@@ -153,3 +153,31 @@ def test_a_pooled_sum_ignores_the_padding_of_longer_texts_bit_for_bit():
     batched = ops.pooled_sum(h, [3, 37])
     assert torch.equal(alone[0], batched[0])
     assert torch.allclose(batched[1], h[3:].sum(0), atol=1e-5)
+
+
+def test_margingate_embed_reads_a_bert_folder_and_prints_json_lines(tmp_path, capsys):
+    """An encoder's Hugging Face folder (transformers' safetensors + a tokenizer.json) through the command line:
+    one JSON line per text, the library's vectors."""
+    import json
+
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    from margingate.cli import main
+    from margingate.embeddings import is_embedding_model, load
+
+    _, hf = random_encoder("bert", seed=4)
+    hf.save_pretrained(tmp_path)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world", "##s", "a"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(VOCAB - len(words))])}
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                                ("[SEP]", 3)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert is_embedding_model(str(tmp_path))
+    assert main(["embed", "--model", str(tmp_path), "Hello worlds", "a"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = load(str(tmp_path)).embed(["Hello worlds", "a"]).vectors
+    assert [x["tokens"] for x in lines] == [5, 3]
+    assert torch.equal(torch.tensor([x["embedding"] for x in lines]), want)
