@@ -37,11 +37,19 @@ def transformers_model(files: EncoderFiles, as_file: bool = False, dtype: torch.
 
 
 @torch.inference_mode()
-def oracle_vectors(model, texts: list[list[int]], pooling: str = "mean", normalize: bool = True) -> torch.Tensor:
-    """One text at a time (no padding): the pooled, normed last hidden state, fp32."""
+def oracle_vectors(model, texts: list[list[int]], pooling: str = "mean", normalize: bool = True,
+                   batch: int = 8) -> torch.Tensor:
+    """The pooled, normed last hidden state of each text, fp32: texts right-padded in batches of `batch`, the
+    padding masked out of attention and of the pooling (as sentence-transformers runs them)."""
     out = []
-    for ids in texts:
-        h = model(torch.tensor([ids])).last_hidden_state[0].float()
-        v = {"mean": h.mean(0), "cls": h[0], "last": h[-1]}[pooling]
-        out.append(F.normalize(v, dim=0) if normalize else v)
-    return torch.stack(out)
+    for i in range(0, len(texts), batch):
+        group = texts[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in group])
+        mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in group])
+        h = model(ids, attention_mask=mask).last_hidden_state.float()
+        lengths = mask.sum(1)
+        v = {"mean": lambda: (h * mask[..., None]).sum(1) / lengths[:, None], "cls": lambda: h[:, 0],
+             "last": lambda: h[torch.arange(len(group)), lengths - 1]}[pooling]()
+        out.append(F.normalize(v, dim=-1) if normalize else v)
+    return torch.cat(out)

@@ -27,7 +27,7 @@ from margingate.embeddings import files_of, load, sources
 from margingate.embeddings.oracle import oracle_vectors, transformers_model
 
 HERE = Path(__file__).parent
-THREADS, BATCH, REPEATS = 2, 32, 5
+THREADS, BATCH, REPEATS = 2, 32, 3
 TEXTS = [p.text or p.messages[-1]["content"] for p in builtin_prompts()][:BATCH]
 
 
