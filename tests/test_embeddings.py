@@ -181,3 +181,14 @@ def test_margingate_embed_reads_a_bert_folder_and_prints_json_lines(tmp_path, ca
     want = load(str(tmp_path)).embed(["Hello worlds", "a"]).vectors
     assert [x["tokens"] for x in lines] == [5, 3]
     assert torch.equal(torch.tensor([x["embedding"] for x in lines]), want)
+
+
+def test_a_decoder_pools_as_its_files_say_else_its_last_token(tmp_path):
+    import json
+
+    from margingate.embeddings import decoder_pooling
+
+    assert decoder_pooling(tmp_path, None) == "last"
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert decoder_pooling(tmp_path, None) == "mean"

@@ -11,6 +11,7 @@ mean Pooling, Normalize). Without it, transformers + the same pooling by hand st
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -32,10 +33,12 @@ TEXTS = [p.text or p.messages[-1]["content"] for p in builtin_prompts()][:BATCH]
 
 
 def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+    """lscpu's model name and the ISA flags the kernels pick paths by."""
+    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    name = next((x.split(":", 1)[1].strip() for x in info if x.startswith("Model name:")), platform.processor())
+    flags = next((x.split(":", 1)[1].split() for x in info if x.startswith("Flags:")), [])
+    isa = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(isa) or 'AVX2'}; {os.cpu_count()} cores)"
 
 
 def rate(fn) -> float:
