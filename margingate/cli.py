@@ -9,6 +9,7 @@ from .commands import (
     calibrate,
     check,
     demo,
+    embed,
     export,
     flips,
     generate,
@@ -23,8 +24,8 @@ from .data.prompts import PromptFileError
 from .errors import KernelBuildError
 
 #: every subcommand is declared beside its code by the module's add_parser(sub); this order is --help's
-COMMANDS = (generate, check, demo, serve, export, bench, flips, calibrate, score, score_bench, spec_bench, linear_bench,
-            selftest)
+COMMANDS = (generate, check, demo, serve, embed, export, bench, flips, calibrate, score, score_bench, spec_bench,
+            linear_bench, selftest)
 
 
 def build_parser() -> argparse.ArgumentParser:

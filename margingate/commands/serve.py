@@ -11,6 +11,7 @@ from .. import cli_args
 from ..distributed.options import add_ray_args
 from ..options import deterministic_policies
 from ..server.core.config import ServerConfig
+from .embed import add_dtype_arg, embedder_for
 
 LOOPBACK_NAMES = {"localhost"}
 
@@ -52,6 +53,11 @@ def add_parser(sub) -> None:
                    help="the names clients may give as `model`: the first is what /v1/models lists and answers carry "
                         "(default: the model's own name; a file or folder without its directory)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--embedding-model", nargs="+", default=(), metavar="NAME",
+                   help="embedding models /v1/embeddings serves beside the chat model, by name (all-minilm-l6-v2, "
+                        "nomic-embed-text-v1.5, an encoder's folder or GGUF); the chat model's own name embeds with "
+                        "its pooled hidden states. --model naming an embedding model serves embeddings alone")
+    add_dtype_arg(p, "--embedding-dtype")
     cli_args.add_model_args(p)
     cli_args.add_prefix_cache_arg(p)
     cli_args.add_draft_model_arg(p)
@@ -65,7 +71,6 @@ def add_parser(sub) -> None:
 def cmd_serve(args) -> None:
     if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
         raise ValueError("the server needs its extra: pip install 'margingate[server]'")
-    from ..server.app import create_app
     from ..server.background import DrainingServer, uvicorn_config
 
     if not 0 < args.port < 65536:
@@ -81,9 +86,32 @@ def cmd_serve(args) -> None:
         from ..distributed.serve import serve_replicas
 
         return serve_replicas(args, config)
-    app = create_app(cli_args.llm(args, args.max_num_seqs), config)
+    app = _app(args, config)
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     config = uvicorn_config(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
     DrainingServer(config, args.shutdown_timeout).run()
+
+
+def _app(args, config: ServerConfig):
+    """The chat app with the embedding models beside it (the chat model's own name embeds too), or, where
+    --model names an embedding model, the app that serves embeddings alone (server/embedding_app.py)."""
+    from ..embeddings import is_embedding_model
+    from ..server.api.embeddings import EmbeddingModels
+    from ..server.app import create_app
+    from ..server.embedding_app import create_embedding_app
+    from ..serving_context import served_name
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    extra = {served_name(m): embedder_for(m, args.embedding_dtype) for m in args.embedding_model}
+    names = config.served_model_names or (served_name(args.model),)
+    if is_embedding_model(args.model):
+        main = embedder_for(args.model, args.embedding_dtype)
+        return create_embedding_app(EmbeddingModels({**{n: main for n in names}, **extra}), config)
+    llm = cli_args.llm(args, args.max_num_seqs)
+    own = embedder_for(args.model, args.embedding_dtype, llm)
+    return create_app(llm, config, embeddings=EmbeddingModels({**{n: own for n in names}, **extra}))

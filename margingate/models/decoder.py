@@ -123,17 +123,33 @@ class DecoderModel:
         """
         ops = layers.kernel_set(kernel_choice, self.triton)
         W = self.own_weights if ops.own_weights else self.weights(dtype)
-        h = self._embed(tokens, W, dtype)
-        rows = AttentionRows(plan, tables, table_of, positions, kernel_choice, triton=self.triton)
-        if self._fusable(ops, dtype, kv):
-            h = self._stack(h, W, kv, positions, rows)
-        else:
-            ropes = self._ropes(positions, dtype)
-            for li, L in enumerate(W.layers):
-                h = self._layer(li, L, h, ops, ropes[li], rows, kv, dtype)
+        h = self._layers(tokens, positions, AttentionRows(plan, tables, table_of, positions, kernel_choice,
+                                                          triton=self.triton), kv, ops, W, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
         return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
+
+    @torch.inference_mode()
+    def final_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     table_of: torch.Tensor, plan: AttentionPlan, kv: KVPool, *,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """`forward`'s rows through the invariant kernels up to the final norm: what the head reads, in
+        `dtype` (a decoder's embedding pools these)."""
+        ops, W = layers.kernel_set(KernelChoice.INVARIANT, self.triton), self.own_weights
+        h = self._layers(tokens, positions, AttentionRows(plan, tables, table_of, positions, triton=self.triton),
+                         kv, ops, W, dtype)
+        return ops.rmsnorm(h, W.norm, self.config.rms_eps, self.spec.unit_offset_norms)
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, rows: AttentionRows, kv: KVPool,
+                ops: layers.KernelSet, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
+        """The embedding and every layer: the last layer's hidden states, before the final norm."""
+        h = self._embed(tokens, W, dtype)
+        if self._fusable(ops, dtype, kv):
+            return self._stack(h, W, kv, positions, rows)
+        ropes = self._ropes(positions, dtype)
+        for li, L in enumerate(W.layers):
+            h = self._layer(li, L, h, ops, ropes[li], rows, kv, dtype)
+        return h
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
         return scale_embedding(self.config, layers.embed(tokens, W.embed, dtype))

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
 from ..serving_context import ServingContext
+from .api.embeddings import EmbeddingModels
 from .core.config import ServerConfig
 from .core.state import ServerState
 from .guard import Guard
@@ -67,12 +68,14 @@ async def internal_error(req, exc: Exception):
     return route_error(req.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def create_app(served, config: ServerConfig | None = None, *, engine: Engine | None = None, **settings) -> FastAPI:
+def create_app(served, config: ServerConfig | None = None, *, engine: Engine | None = None,
+               embeddings: EmbeddingModels | None = None, **settings) -> FastAPI:
     """An app serving `served`: a `ServingContext`, or the facade whose model it gathers (`ServingContext.of`:
     its tokenizer, policies and, unless `engine` is given, its engine).
 
     `config` (or `ServerConfig` fields as keywords: api_key, max_queue, default_policy, ...)
-    says how; see server/core/config.py for the defaults.
+    says how; see server/core/config.py for the defaults. `embeddings`: the embedding models /v1/embeddings
+    serves beside the chat model (api/embeddings.py).
     """
     config = replace(config or ServerConfig(), **settings)
     context = served if isinstance(served, ServingContext) else ServingContext.of(served, engine)
@@ -80,6 +83,7 @@ def create_app(served, config: ServerConfig | None = None, *, engine: Engine | N
     state = ServerState(context, config)
     app = FastAPI(title="margingate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.state.embeddings = embeddings
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     app.include_router(router)

@@ -7,8 +7,8 @@ from .core.state import ServerState
 from .protocol.errors import route_error
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
-          "/metrics", "/tokenize", "/detokenize", "/v1/update_weights", "/pause", "/resume", "/is_paused",
-          "/reset_prefix_cache")
+          "/v1/embeddings", "/metrics", "/tokenize", "/detokenize", "/v1/update_weights", "/pause", "/resume",
+          "/is_paused", "/reset_prefix_cache")
 
 
 def route_label(path: str) -> str:

@@ -1,8 +1,8 @@
 """The routes: /health, /metrics, /v1/models[/{id}], the generation routes (/v1/completions,
 /v1/chat/completions, /v1/responses, /v1/messages: each its API's endpoint, completions.py, chat.py,
 responses.py, messages.py) and
-/tokenize, /detokenize (tokenization.py), and what a trainer calls (control_routes.py: /v1/update_weights, /pause,
-/resume, /is_paused, /reset_prefix_cache).
+/tokenize, /detokenize (tokenization.py), /v1/embeddings (embeddings.py), and what a trainer calls
+(control_routes.py: /v1/update_weights, /pause, /resume, /is_paused, /reset_prefix_cache).
 Each handler finds the app's `ServerState` on `request.app.state.server`."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..options import PolicySpec
-from .api import control_routes, tokenization
+from .api import control_routes, embeddings, tokenization
 from .api.chat import CHAT
 from .api.completions import COMPLETIONS
 from .api.messages import MESSAGES
@@ -23,6 +23,7 @@ from .protocol.errors import json_error
 router = APIRouter()
 router.include_router(tokenization.router)  # /tokenize, /detokenize
 router.include_router(control_routes.router)  # /v1/update_weights, /pause, /resume, /is_paused, /reset_prefix_cache
+router.include_router(embeddings.router)  # /v1/embeddings
 
 
 def state_of(req: HTTPRequest) -> ServerState:
@@ -68,7 +69,9 @@ def model_card(state: ServerState, model_id: str | None = None) -> dict:
 
 @router.get("/v1/models")
 async def models(req: HTTPRequest):
-    return {"object": "list", "data": [model_card(state_of(req))]}
+    state, served = state_of(req), getattr(req.app.state, "embeddings", None)  # embedding models: embeddings.py
+    beside = [c for c in (served.cards() if served else []) if c["id"] not in state.model_names]
+    return {"object": "list", "data": [model_card(state), *beside]}
 
 
 @router.get("/v1/models/{model_id:path}")
