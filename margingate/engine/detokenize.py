@@ -32,8 +32,15 @@ PARTIAL = "\ufffd"  # what a decode shows for bytes of a character not yet compl
 
 
 def decode_text(hf_tokenizer, ids: list[int]) -> str:
-    """The text of `ids`, as every request's text is built: no special tokens, no space clean-up."""
-    return hf_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    """The text of `ids`, as every request's text is built: no special tokens (but where the chat template writes
+    harmony, gpt-oss's format, whose marks are special tokens: server/harmony.py reads them), no space clean-up."""
+    keep = _harmony(getattr(hf_tokenizer, "chat_template", None) or "")
+    return hf_tokenizer.decode(ids, skip_special_tokens=not keep, clean_up_tokenization_spaces=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _harmony(chat_template: str) -> bool:
+    return "<|channel|>" in chat_template and "<|message|>" in chat_template
 
 
 def text_decoder(hf_tokenizer) -> Decode:

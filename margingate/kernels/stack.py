@@ -19,7 +19,7 @@ from .quant_pack import QuantWeight
 # order. C++ receives these names with the tensors and finds each weight by name.
 STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", "post_attention_layernorm",
                  "gate_up", "down_proj", "q_norm", "k_norm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm", "router")
+                 "post_feedforward_layernorm", "router", "sinks")
 
 
 def stack_weights(layers: list) -> list[torch.Tensor]:

@@ -172,17 +172,18 @@ class DecoderModel:
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write(li, rows.tables, rows.table_of, rows.positions, k, v)
-            return attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li))
+            return attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li), L.sinks)
         return decoder_layer(cfg, L, h, ops, rope, attention)
 
 
 def rotary_tables(config: ModelConfig) -> tuple[rotary.RotaryTable, rotary.RotaryTable | None]:
-    """The model's RoPE tables: the full-attention layers' (with the config's scaling) and, where some layers
-    slide, those layers' own base (Gemma 3), else None."""
+    """The model's RoPE tables: the full-attention layers' (with the config's scaling) and, where the sliding
+    layers have their own base (Gemma 3), theirs, else None (gpt-oss's sliding layers rotate as the others)."""
     scaled = config.rope_scaling or config.rope_freq_factors
     full = rotary.RotaryTable(config.head_dim, config.rope_theta, rope_scaling.inv_freq(
-        config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None)
-    local = rotary.RotaryTable(config.head_dim, config.rope_local_theta) if any(config.layer_windows) else None
+        config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None,
+        scale=rope_scaling.attention_factor(config.rope_scaling))
+    local = rotary.RotaryTable(config.head_dim, config.rope_local_theta) if config.rope_local_theta else None
     return full, local
 
 
@@ -230,7 +231,7 @@ def decoder_layer(cfg: ModelConfig, L: LayerWeights, h: torch.Tensor, ops: layer
         h = h + y
         x = norm(h, L.post_attention_layernorm)
     if L.experts:
-        y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
+        y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops, cfg.swiglu)
     else:
         y = ops.mlp(x, L.gate_up, L.down_proj, gelu=spec.activation == "gelu_tanh")
     return h + (norm(y, L.post_feedforward_layernorm) if spec.sandwich_norms else y)

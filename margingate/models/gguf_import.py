@@ -155,10 +155,11 @@ class RawTensor:
         return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
 
     def expert(self, e: int) -> RawTensor:
-        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts])."""
+        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts]), or its bias
+        of a stacked [experts, rows] one (gpt-oss)."""
         part = copy.copy(self)
-        part.nbytes = self.nbytes // self.shape[2]
-        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:2], self.rows[1:]
+        part.nbytes = self.nbytes // self.shape[-1]
+        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:-1], self.rows[1:]
         return part
 
 
@@ -176,7 +177,7 @@ def hf_tensors(paths: list[Path], arch: str, experts: int):
             if t.name == ROPE_FREQS:
                 continue
             names = expert_names(hf_name(t.name, arch), experts)
-            stacked = len(t.shape) == 3
+            stacked = len(t.shape) == (2 if t.name.endswith(".bias") else 3)
             if stacked != (len(names) > 1) or (stacked and t.shape[2] != experts):
                 raise GGUFError(f"{path}: {t.name} has shape {t.shape}, which a {arch} model with {experts} "
                                 "experts does not have")
@@ -236,7 +237,23 @@ def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
     if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
         config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
                       query_pre_attn_scalar=config["head_dim"], hidden_activation="gelu_pytorch_tanh")
+    if arch == "gpt-oss":  # its YaRN is stated whole in rope_parameters
+        config.pop("rope_scaling", None)
+        config.update(gpt_oss_config(get, config))
     return config
+
+
+def gpt_oss_config(get, config: dict) -> dict:
+    """What llama.cpp fixes for gpt-oss rather than storing: every other layer sliding (the first one), YaRN's
+    betas 32 and 1 on the original config's untruncated ramp, the clamped SwiGLU's 1.702 and 7.0, biases."""
+    n = config["num_hidden_layers"]
+    rope = {"rope_type": "yarn", "rope_theta": config["rope_theta"], "factor": float(get("rope.scaling.factor", 32.0)),
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 4096))}
+    return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            "rope_parameters": rope, "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+            "intermediate_size": int(get("expert_feed_forward_length")),
+            "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count"))}
 
 
 def moe_config(get, arch: str) -> dict:

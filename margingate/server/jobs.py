@@ -18,6 +18,7 @@ from . import tools
 from .answer import Answer
 from .errors import RequestFailed, route_error
 from .events import Event, Handle, Outcome
+from .harmony import HarmonyParser
 from .protocol import finite
 from .reasoning import Reasoning, ReasoningParser
 from .state import ServerState
@@ -51,6 +52,10 @@ class Job:
 
     def outcome(self, whole: bool) -> Outcome:
         """An empty outcome for one choice, its answer read as this job's (tools.parser); `whole`: not streamed."""
+        if self.reasoning is not None and self.reasoning.harmony:  # gpt-oss: channels, not marks in the text
+            names = {t.function.name for t in tools.offered(self.params, self.tool_mode)}
+            limit = tools.max_calls(self.params, self.tool_mode) if names else 0
+            return Outcome(HarmonyParser(names, limit), Answer(stripped=self.tool_mode != "none"))
         parser = tools.parser(self.params, self.tool_mode, whole)
         if self.reasoning is not None:
             parser = ReasoningParser(self.reasoning, parser)

@@ -31,7 +31,7 @@ import json
 from typing import Any
 
 from ..options.structured import StructuredOutput
-from . import tool_format
+from . import harmony, tool_format
 from .answer import Answer, PlainParser
 from .call_parser import CallParser
 from .formats import NamedToolChoice
@@ -39,7 +39,10 @@ from .protocol import BadRequest
 
 
 def template_format(chat_template: str | None) -> str | None:
-    """The tool format the model's chat template defines: "hermes", or None (ours is used)."""
+    """The tool format the model's chat template defines: "hermes", "harmony" (gpt-oss: harmony.py), or None
+    (ours is used)."""
+    if harmony.is_harmony(chat_template):
+        return "harmony"
     return "hermes" if chat_template and "tools" in chat_template and "<tool_call>" in chat_template else None
 
 
@@ -77,6 +80,10 @@ def constraint(params, tool_mode: str, tool_format_name: str | None, grammars=No
     `engine.structured.Grammars`) says which markers its tokenizer has as one special token."""
     if tool_mode == "none" or (tool_mode == "auto" and tool_format_name is not None):
         return None
+    if tool_format_name == "harmony":
+        marks = (harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE)
+        special = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
+        return StructuredOutput(grammar=harmony.grammar(offered(params, tool_mode), special))
     marks = (tool_format.OPEN, tool_format.CLOSE)
     tokens = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
     grammar = tool_format.grammar(offered(params, tool_mode), max_calls(params, tool_mode), text=tool_mode == "auto",

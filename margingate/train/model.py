@@ -48,6 +48,9 @@ class TrainableModel(nn.Module):
         super().__init__()
         if param_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"parameters are bf16 or fp32 (master weights), not {param_dtype}")
+        if config.layer.attention_sinks or config.swiglu:  # no gradient of the sinks, the biased experts
+            raise ValueError(f"{config.architecture} is not trainable here: its attention sinks and clamped-SwiGLU "
+                             "experts have no backward in margingate.train")
         self.config = config
         self._names = check(config, state, source)
         for parts in self._names.values():

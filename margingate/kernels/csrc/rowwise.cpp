@@ -119,7 +119,41 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bo
   return out;
 }
 
+// gpt-oss's experts' clamped SwiGLU, gate_up [N, 2I] (gate | up: the checkpoint's interleaved columns
+// split at load) -> [N, I]: g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * (g *
+// sigmoid(alpha * g)), sigmoid(z) = 1 / (1 + exp(-z)) with the contract's exp; each op rounded to T as
+// transformers' bf16 ops round (alpha * g, the sigmoid, g * it, u + 1, the product), one element at a time.
+template <typename T>
+void swiglu_clamped_rows(const T* gu, T* out, int64_t rows, int64_t inter, float alpha, float limit) {
+  constexpr bool kBf16 = std::is_same<T, bf16>::value;
+  const auto r = [](float v) { return kBf16 ? rnd(v) : v; };
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* gate = gu + row * 2 * inter;
+    const T* up = gate + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = std::min(static_cast<float>(gate[i]), limit);
+      const float u = std::max(std::min(static_cast<float>(up[i]), limit), -limit);
+      const float sig = r(1.0f / (1.0f + exp1(-r(alpha * g))));
+      out[row * inter + i] = static_cast<T>(r(u + 1.0f) * r(g * sig));
+    }
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) { return act_mul<silu8>(gate_up); }
+at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu_clamped: gate_up must be [N, 2I]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    if (gate_up.scalar_type() == at::kFloat)
+      swiglu_clamped_rows(gate_up.data_ptr<float>() + b * 2 * inter, out.data_ptr<float>() + b * inter, e - b, inter, a, l);
+    else
+      swiglu_clamped_rows(gate_up.data_ptr<bf16>() + b * 2 * inter, out.data_ptr<bf16>() + b * inter, e - b, inter, a, l);
+  });
+  return out;
+}
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul<gelu_tanh8>(gate_up); }
 
 

@@ -146,10 +146,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor,
-              scale: float, window: int = 0) -> torch.Tensor:
+              scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Row r of q [N, H, D] attends over keys [0, lengths[r]) of its block table tables[table_of[r]] in one
     layer's paged cache `kv` (K, V [blocks, Hkv, B, D], scales: KVPool.layer; `window` > 0: only the last
-    `window` keys). GQA: query head h reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller
+    `window` keys; `sinks` [H]: gpt-oss's attention sinks, merged after the last chunk). GQA: query head h
+    reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller
     keeps the tables and lengths in range (checked under the interpreter; a CUDA check would cost a sync per
     layer)."""
     k = _kernels()
@@ -169,13 +170,16 @@ def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.
     qc, kc, vc = _operand(q, "q"), _operand(k_cache, "k_cache"), _operand(v_cache, "v_cache")
     tables = tables.contiguous()
     out = _output((n, h, d), q)
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"attention: one sink per query head ({h}); got {tuple(sinks.shape)}")
+    sk = _operand(sinks, "sinks") if sinks is not None else qc
     if n:
         k.attention.attention_kernel[(n, h)](
-            qc, kc, vc, out, tables, table_of.contiguous(), lengths.contiguous(), float(scale), int(window), d,
+            qc, kc, vc, out, tables, table_of.contiguous(), lengths.contiguous(), sk, float(scale), int(window), d,
             k_cache.shape[2], qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0),
             out.stride(1), tables.stride(0),
             GROUP=h // k_cache.shape[1], BLOCK_D=max(16, 1 << (d - 1).bit_length()), CHUNK=k.attention.CHUNK,
-            num_warps=k.attention.NUM_WARPS, **_LAUNCH)
+            HAS_SINKS=sinks is not None, num_warps=k.attention.NUM_WARPS, **_LAUNCH)
     return _finish(out, q.dtype)
 
 
@@ -228,6 +232,19 @@ def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         block = k.rowwise.BLOCK
         k.rowwise.act_mul_kernel[(gu.shape[0], _cdiv(inter, block))](
             gu, out, inter, GELU=gelu, ROUND_ACT=gate_up.dtype == torch.bfloat16, BLOCK=block,
+            num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
+    return _finish(out, gate_up.dtype).reshape(*gate_up.shape[:-1], inter)
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation for gate_up [..., 2I] (gate | up) -> [..., I], as library.swiglu_clamped."""
+    k = _kernels()
+    inter = gate_up.shape[-1] // 2
+    gu = _operand(gate_up.reshape(-1, 2 * inter), "gate_up")
+    out = _output((gu.shape[0], inter), gate_up)
+    if gu.shape[0] and inter:
+        k.rowwise.swiglu_clamped_kernel[(gu.shape[0], _cdiv(inter, k.rowwise.BLOCK))](
+            gu, out, inter, float(alpha), float(limit), ROUND=gate_up.dtype == torch.bfloat16, BLOCK=k.rowwise.BLOCK,
             num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
     return _finish(out, gate_up.dtype).reshape(*gate_up.shape[:-1], inter)
 
