@@ -6,42 +6,20 @@ the call sent back renders through the template into the model's own harmony."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 tf = pytest.importorskip("transformers")
 
+from gpt_oss_model import tiny_harmony_model  # noqa: E402
 from server_fixtures import make_server  # noqa: E402
 
-MARKS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-TEMPLATE = Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
 BI = {"determinism": {"policy": "batch-invariant"}}
-
-
-def tiny_harmony_model(folder: Path) -> Path:
-    """A 2-layer gpt-oss whose tokenizer speaks harmony (the embedded model's BPE plus its marks)."""
-    from margingate.models.loader import resolve_model_dir
-
-    tok = tf.AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
-    tok.add_special_tokens({"additional_special_tokens": MARKS})
-    tok.chat_template = TEMPLATE.read_text()
-    ends = [tok.convert_tokens_to_ids(m) for m in ("<|return|>", "<|call|>")]
-    config = tf.GptOssConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
-                             num_experts_per_tok=2, sliding_window=64, max_position_embeddings=4096,
-                             eos_token_id=ends)
-    torch.manual_seed(0)
-    model = tf.GptOssForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

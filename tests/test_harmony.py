@@ -28,7 +28,8 @@ def read(text: str, cuts: int = 1, names=("get_weather",), limit: int = 1) -> An
 def test_analysis_is_reasoning_and_a_call_to_an_offered_function_is_a_call(cuts):
     a = read(ANSWER, cuts)
     assert a.reasoning == "The user wants the weather. Call it."
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in a.calls] == [("get_weather", '{"city": "Paris"}')]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in a.calls]
+    assert calls == [("get_weather", '{"city": "Paris"}')]
     assert a.content == ""
 
 

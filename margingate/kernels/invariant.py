@@ -172,9 +172,10 @@ def kv_write(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor
     ops().kv_write(*kv, k.contiguous(), v.contiguous(), tables, table_of, positions)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Per-row RMSNorm. `unit_offset` (Gemma): the weight stored is w, the scale 1 + w, applied in fp32."""
-    return ops().rmsnorm(x.contiguous(), weight, eps, unit_offset)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Per-row RMSNorm. `mode` (LayerSpec.norm_mode): 0 the normed row rounded, then times w; 1 (Gemma, or True):
+    the weight stored is w, the scale 1 + w, applied in fp32; 2 (gpt-oss): times w in fp32. Rounded once after."""
+    return ops().rmsnorm(x.contiguous(), weight, eps, int(mode))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

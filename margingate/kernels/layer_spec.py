@@ -27,10 +27,18 @@ class LayerSpec:
     activation: str = "silu"         # the MLP's gate activation (one of ACTIVATIONS)
     embed_scale: bool = False        # embeddings times sqrt(hidden), that factor rounded to the activations' dtype
     attention_sinks: bool = False    # a learned logit per query head joins the softmax's denominator (gpt-oss)
+    fp32_norm_product: bool = False  # every RMSNorm multiplies the fp32 normed row by w in fp32, rounds once
+    #                                  (gpt-oss), where the Llama family rounds the normed row first
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r} (choose from {', '.join(ACTIVATIONS)})")
+
+    @property
+    def norm_mode(self) -> int:
+        """How a norm's row meets its weight, as the kernels' rmsnorm takes it: 0 the Llama family's (the normed
+        row rounded, then times w), 1 (1 + w) in fp32 (Gemma), 2 w in fp32 (gpt-oss); each rounded once after."""
+        return 1 if self.unit_offset_norms else 2 if self.fp32_norm_product else 0
 
     @property
     def extra_norms(self) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = N
 class KernelSet:
     name: str
     linear: Linear
-    rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, unit_offset=False)
+    rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, mode=0: LayerSpec.norm_mode)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     own_weights: bool  # True: the model's bf16 weights as loaded (packed for INVARIANT), for any activation dtype
@@ -50,9 +50,9 @@ class KernelSet:
         return self.linear(self.swiglu_clamped(self.linear(x, gate_up, biases[0]), *swiglu), down, biases[1])
 
     def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
-               unit_offset: bool = False) -> torch.Tensor:
+               norm_mode: int = 0) -> torch.Tensor:
         """The final norm and the head, in the activations' dtype, then widened to fp32."""
-        return self.linear(self.rmsnorm(h, norm, eps, unit_offset), lm_head).float()
+        return self.linear(self.rmsnorm(h, norm, eps, norm_mode), lm_head).float()
 
 
 INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,

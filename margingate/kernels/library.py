@@ -13,12 +13,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Hugging Face's RMSNorm: fp32 statistics; Llama casts back, then times the weight;
-    Gemma (`unit_offset`) times (1 + weight) in fp32, then casts back."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Hugging Face's RMSNorm: fp32 statistics; Llama (mode 0) casts back, then times the weight;
+    Gemma (mode 1, or True) times (1 + weight) in fp32, gpt-oss (2) times the weight in fp32, then casts back."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
+    if mode == 2:
+        return (weight.float() * h).to(x.dtype)
+    if mode:
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 

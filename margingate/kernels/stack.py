@@ -43,6 +43,7 @@ def stack_spec(layer: LayerSpec, layers: list, *, heads: int, kv_heads: int, int
     spec = ops().StackSpec()
     spec.unit_offset_norms, spec.qk_norm = layer.unit_offset_norms, layer.qk_norm
     spec.sandwich_norms, spec.gelu_tanh = layer.sandwich_norms, layer.activation == "gelu_tanh"
+    spec.fp32_norm_product = layer.fp32_norm_product
     spec.heads, spec.kv_heads, spec.intermediate, spec.eps, spec.scale = heads, kv_heads, intermediate, eps, scale
     spec.windows = list(windows)
     spec.weights, spec.names = stack_weights(layers), list(STACK_WEIGHTS)

@@ -69,7 +69,7 @@ ARCHITECTURES = {  # as transformers builds them
     # gpt-oss: attention sinks, q/k/v/o biases, sliding layers (config), YaRN (config), and a biased MoE with
     # its own route and clamped SwiGLU in every layer
     "GptOssForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"),
-                                      layer=LayerSpec(attention_sinks=True),
+                                      layer=LayerSpec(attention_sinks=True, fp32_norm_product=True),
                                       moe=MoeNames("mlp.router", "mlp.experts", "gate_proj", "up_proj", "down_proj",
                                                    gpt_oss=True)),
 }

@@ -133,7 +133,7 @@ class DecoderModel:
                 h = self._layer(li, L, h, ops, ropes[li], rows, kv, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
-        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
+        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.norm_mode)
 
     def _embed(self, tokens: torch.Tensor, W: ModelWeights, dtype: torch.dtype) -> torch.Tensor:
         return scale_embedding(self.config, layers.embed(tokens, W.embed, dtype))
@@ -215,7 +215,7 @@ def decoder_layer(cfg: ModelConfig, L: LayerWeights, h: torch.Tensor, ops: layer
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ops.rmsnorm(x, weight, cfg.rms_eps, spec.unit_offset_norms)
+        return ops.rmsnorm(x, weight, cfg.rms_eps, spec.norm_mode)
 
     q, k, v = ops.linear(norm(h, L.input_layernorm), L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
     q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)

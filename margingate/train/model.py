@@ -86,7 +86,7 @@ class TrainableModel(nn.Module):
             site.window = self.config.window(li)
             rope = local if site.window else full
             h = decoder_layer(self.config, L, h, self._ops, rope, lambda q, k, v: attention(q, k, v, site))
-        logits = self._ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.unit_offset_norms)
+        logits = self._ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.norm_mode)
         width = input_ids.shape[1]  # each token's row of the padded [batch * positions] grid, in one copy
         dest = torch.cat([torch.arange(b * width + a, b * width + e) for b, (a, e) in enumerate(rows_of)]).to(dev)
         out = logits.new_zeros(input_ids.numel(), logits.shape[-1]).index_copy(0, dest, logits)

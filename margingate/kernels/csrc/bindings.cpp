@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_block", &moe_block, "a mixture-of-experts block: router, route, experts, one call");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own paged cached prefix");
   m.def("kv_write", &kv_write, "rows' K and V into their positions of a paged cache (int8: quantized per head)");
-  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
+  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (mode 1: Gemma's 1 + weight; 2: gpt-oss's fp32 product)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("swiglu_clamped", &swiglu_clamped, "gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit)");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackSpec, std::shared_ptr<StackSpec>>(m, "StackSpec", "a model's decoder stack: layer, shape, weights")
       .def(py::init<>())
       .def_readwrite("unit_offset_norms", &StackSpec::unit_offset_norms)
+      .def_readwrite("fp32_norm_product", &StackSpec::fp32_norm_product)
       .def_readwrite("qk_norm", &StackSpec::qk_norm)
       .def_readwrite("sandwich_norms", &StackSpec::sandwich_norms)
       .def_readwrite("gelu_tanh", &StackSpec::gelu_tanh)

@@ -144,7 +144,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      int64_t window, const at::Tensor& sinks);  // sinks: empty, or one fp32 logit per query head
 
 // rowwise.cpp
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+// mode: how the normed row meets the weight (layer_spec.py's norm_mode)
+constexpr int64_t kLlamaNorm = 0, kUnitOffsetNorm = 1, kFp32ProductNorm = 2;
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t mode);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit);  // gpt-oss's experts
@@ -165,6 +167,7 @@ struct StackSpec {
   // attention and MLP outputs normed before their adds (post_attention_layernorm then norms the attention's
   // output, pre_feedforward_layernorm the MLP's input); GELU-tanh instead of SiLU
   bool unit_offset_norms = false, qk_norm = false, sandwich_norms = false, gelu_tanh = false;
+  bool fp32_norm_product = false;  // the normed row times the weight in fp32, rounded once (gpt-oss)
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
   double eps = 0.0, scale = 0.0;
   std::vector<int64_t> windows;  // per layer: 0, or its sliding window (those layers rotate by the local tables)

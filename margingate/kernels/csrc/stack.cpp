@@ -154,7 +154,8 @@ void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, c
   const int64_t n = h.size(0), d = kv.k.size(4);
   check_rows(h, {&cos, &sin, &cos_local, &sin_local}, d);
   const int64_t heads = spec.heads, kv_heads = spec.kv_heads, qs = heads * d, kvs = kv_heads * d;
-  const bool offset = spec.unit_offset_norms, sandwich = spec.sandwich_norms;
+  const int64_t offset = spec.unit_offset_norms ? kUnitOffsetNorm : spec.fp32_norm_product ? kFp32ProductNorm : kLlamaNorm;
+  const bool sandwich = spec.sandwich_norms;
   const at::Tensor lengths = positions.to(at::kLong) + 1, ps = lengths - 1;
   const BlockTables bt = block_tables(tables, table_of, lengths, kv.k.size(1), kv.k.size(3));
   const int64_t* pp = ps.data_ptr<int64_t>();

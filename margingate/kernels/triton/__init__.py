@@ -195,9 +195,10 @@ def _check_rows(tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Ten
             raise ValueError(f"attention: row {r}'s block table leaves the pool's {num_blocks} blocks")
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Per-row RMSNorm over the last dim, as library.rmsnorm (Hugging Face): fp32 statistics; Llama:
-    weight * h cast to x's dtype; Gemma (`unit_offset`): h * (1 + weight) in fp32. Result in x's dtype."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Per-row RMSNorm over the last dim, as library.rmsnorm (Hugging Face): fp32 statistics; Llama (mode 0):
+    weight * h cast to x's dtype; Gemma (1): h * (1 + weight) in fp32; gpt-oss (2): weight * h in fp32. Result in
+    x's dtype."""
     k = _kernels()
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -206,8 +207,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
     out = _output(x2.shape, x)
     if x2.shape[0]:
         k.rowwise.rmsnorm_kernel[(x2.shape[0],)](
-            x2, _operand(weight, "weight"), out, d, float(eps), UNIT_OFFSET=unit_offset,
-            ROUND_H=x.dtype == torch.bfloat16, BLOCK=k.rowwise.BLOCK, num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
+            x2, _operand(weight, "weight"), out, d, float(eps), UNIT_OFFSET=mode == 1,
+            ROUND_H=x.dtype == torch.bfloat16 and mode != 2, BLOCK=k.rowwise.BLOCK, num_warps=k.rowwise.NUM_WARPS,
+            **_LAUNCH)
     return _finish(out, x.dtype).reshape(x.shape)
 
 
