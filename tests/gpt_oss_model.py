@@ -20,6 +20,7 @@ def tiny_harmony_model(folder: Path) -> Path:
 
     tok = tf.AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     tok.add_special_tokens({"additional_special_tokens": MARKS})
+    tok.eos_token = "<|return|>"  # as gpt-oss's tokenizer: a grammar that ends ends with it
     tok.chat_template = TEMPLATE.read_text()
     ends = [tok.convert_tokens_to_ids(m) for m in ("<|return|>", "<|call|>")]
     config = tf.GptOssConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,

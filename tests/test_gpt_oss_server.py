@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a model built, a server started, three requests
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 tf = pytest.importorskip("transformers")
@@ -29,7 +30,9 @@ def harmony_client(tmp_path_factory):
     llm = LLM(str(tiny_harmony_model(tmp_path_factory.mktemp("gpt-oss"))), max_model_len=2048)
     srv = make_server(llm, slots=4, max_len=2048)
     try:
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        client.served = srv.state.model_id
+        yield client
     finally:
         srv.stop()
 
@@ -37,7 +40,7 @@ def harmony_client(tmp_path_factory):
 def test_a_harmony_tool_call_through_the_openai_sdk(harmony_client):
     def ask():
         r = harmony_client.chat.completions.create(
-            model="gpt-oss", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            model=harmony_client.served, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40,
             extra_body=BI)
         return r.choices[0]
@@ -49,7 +52,7 @@ def test_a_harmony_tool_call_through_the_openai_sdk(harmony_client):
     again = ask()
     assert again.message.tool_calls[0].function.arguments == call.function.arguments
     answered = harmony_client.chat.completions.create(
-        model="gpt-oss", max_tokens=4, extra_body=BI, tools=[WEATHER],
+        model=harmony_client.served, max_tokens=4, extra_body=BI, tools=[WEATHER],
         messages=[{"role": "user", "content": "What is the weather in Paris?"},
                   {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])

@@ -141,6 +141,7 @@ def test_triton_attention_matches_reference(dtype, window):
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.slow  # the interpreter over 7 rows of up to 150 keys: seconds
 def test_triton_attention_sinks_join_the_denominator():
     """gpt-oss's sinks: against the fp64 softmax with the sink joined, and a row alone equals it in the call."""
     kc, vc = caches()

@@ -8,6 +8,7 @@ Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable
@@ -178,7 +179,7 @@ def hf_tensors(paths: list[Path], arch: str, experts: int):
                 continue
             names = expert_names(hf_name(t.name, arch), experts)
             stacked = len(t.shape) == (2 if t.name.endswith(".bias") else 3)
-            if stacked != (len(names) > 1) or (stacked and t.shape[2] != experts):
+            if stacked != (len(names) > 1) or (stacked and t.shape[-1] != experts):
                 raise GGUFError(f"{path}: {t.name} has shape {t.shape}, which a {arch} model with {experts} "
                                 "experts does not have")
             yield from ((n, t.expert(e) if stacked else t) for e, n in enumerate(names))
@@ -296,9 +297,34 @@ def save_tokenizer(gguf_path: Path, out: Path, reader) -> None:
     the file's, already read."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with _gpt_oss_rope_keys_hidden(reader):
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         field = reader.fields.get("tokenizer.chat_template")
         if field is not None:  # none: a base model, prompted as text (tokenizer.py)
             tok.chat_template = field.contents()
     tok.save_pretrained(str(out))
+
+
+@contextlib.contextmanager
+def _gpt_oss_rope_keys_hidden(reader):
+    """transformers 5.24 reads a gpt-oss GGUF's `gpt-oss.rope.scaling.*` values from the wrong part of the field
+    (its key's length) and fails; the tokenizer needs none of them, so while it reads the file its reader does
+    not see them. Every other file is read as it is."""
+    if reader.fields.get("general.architecture") is None or "gpt-oss.rope.scaling.factor" not in reader.fields:
+        yield
+        return
+    import gguf
+
+    real = gguf.GGUFReader
+
+    class Reader(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
