@@ -259,12 +259,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         pairs = [(get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
                  for e in range(config.num_experts)]
         own = packed and device.type == "cpu"  # our C++ kernels' weights: the experts parsed once for them
-        biased = {}
-        if config.swiglu:  # gpt-oss
-            biased = {"router_bias": get(f"layers.{i}.router.bias"),
-                      "expert_biases": [(get(f"layers.{i}.experts.{e}.gate_up.bias"),
-                                         get(f"layers.{i}.experts.{e}.down_proj.bias"))
-                                        for e in range(config.num_experts)]}
+        biased = _gpt_oss_biases(config, i, get) if config.swiglu else {}
         extra = (biased["expert_biases"], biased["router_bias"], config.swiglu) if biased else None
         return {"router": get(f"layers.{i}.router"), "experts": pairs, **biased,
                 "expert_set": expert_set(pairs, config.experts_per_token, config.norm_topk, extra) if own else None}
@@ -286,6 +281,13 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         cache.save()
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers,
                         experts_per_token=config.experts_per_token)
+
+
+def _gpt_oss_biases(config: ModelConfig, i: int, get) -> dict:
+    """Layer i's router bias and each expert's (gate_up, down) biases (gpt-oss), as LayerWeights fields."""
+    return {"router_bias": get(f"layers.{i}.router.bias"),
+            "expert_biases": [(get(f"layers.{i}.experts.{e}.gate_up.bias"),
+                               get(f"layers.{i}.experts.{e}.down_proj.bias")) for e in range(config.num_experts)]}
 
 
 def streamed_bytes(weights: ModelWeights) -> int:
