@@ -259,8 +259,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         pairs = [(get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
                  for e in range(config.num_experts)]
         own = packed and device.type == "cpu"  # our C++ kernels' weights: the experts parsed once for them
-        biased = _gpt_oss_biases(config, i, get) if config.swiglu else {}
-        extra = (biased["expert_biases"], biased["router_bias"], config.swiglu) if biased else None
+        biased, extra = _gpt_oss_biases(config, i, get) if config.swiglu else ({}, None)
         return {"router": get(f"layers.{i}.router"), "experts": pairs, **biased,
                 "expert_set": expert_set(pairs, config.experts_per_token, config.norm_topk, extra) if own else None}
 
@@ -283,11 +282,13 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
                         experts_per_token=config.experts_per_token)
 
 
-def _gpt_oss_biases(config: ModelConfig, i: int, get) -> dict:
-    """Layer i's router bias and each expert's (gate_up, down) biases (gpt-oss), as LayerWeights fields."""
-    return {"router_bias": get(f"layers.{i}.router.bias"),
-            "expert_biases": [(get(f"layers.{i}.experts.{e}.gate_up.bias"),
-                               get(f"layers.{i}.experts.{e}.down_proj.bias")) for e in range(config.num_experts)]}
+def _gpt_oss_biases(config: ModelConfig, i: int, get) -> tuple[dict, tuple]:
+    """Layer i's router bias and each expert's (gate_up, down) biases (gpt-oss), as LayerWeights fields, and as
+    `invariant.expert_set` takes them with the SwiGLU's (alpha, limit)."""
+    router = get(f"layers.{i}.router.bias")
+    experts = [(get(f"layers.{i}.experts.{e}.gate_up.bias"), get(f"layers.{i}.experts.{e}.down_proj.bias"))
+               for e in range(config.num_experts)]
+    return {"router_bias": router, "expert_biases": experts}, (experts, router, config.swiglu)
 
 
 def streamed_bytes(weights: ModelWeights) -> int:
