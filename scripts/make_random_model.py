@@ -37,8 +37,12 @@ SIZES = {  # hidden, intermediate, layers, heads, KV heads, head dim
     "moe-a1b": (2048, 6144, 16, 32, 4, 128),
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128),  # Qwen3-1.7B's dense shape (q/k norms)
     "270m": (640, 2048, 18, 4, 1, 256),  # Gemma 3 270M's shape as a Llama; with --vocab 262144, its vocabulary's size
+    # gpt-oss-20b's widths (32 experts of 2880, top 4; 64 heads / 8 KV heads of 64; window 128 on even layers;
+    # YaRN, sinks, biases) at 4 of its 24 layers: its experts alone are 12.1 GB in bf16 at full depth
+    "gpt-oss-20b-w": (2880, 2880, 4, 64, 8, 64),
 }
 TIED = {"270m"}  # sizes whose head is the embedding (Gemma 3's is)
+GPT_OSS = {"gpt-oss-20b-w": (32, 4)}  # experts, experts per token
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 MOE = {"moe-tiny": (8, 2, 128), "moe-a1b": (64, 8, 768)}  # experts, experts per token, expert intermediate
 SHARD_BYTES = 2 * 10**9
@@ -52,6 +56,14 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
     (the embedded model's config.json)."""
     hidden, inter, n_layers, heads, kv, head_dim = SIZES[size]
     moe = QWEN3 if size.startswith("qwen3") else {}
+    if size in GPT_OSS:
+        experts, k = GPT_OSS[size]
+        n = layers or n_layers
+        moe = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_local_experts": experts,
+               "num_experts_per_tok": k, "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+               "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
     if size in MOE:
         experts, k, moe_inter = MOE[size]
         moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
@@ -66,6 +78,7 @@ def config(size: str, base: dict, layers: int | None = None) -> dict:
         "max_position_embeddings": base.get("max_position_embeddings", 8192),
         "tie_word_embeddings": size in TIED, "bos_token_id": base["bos_token_id"], "eos_token_id": base["eos_token_id"],
         **moe,
+        **({"attention_bias": True, "rope_theta": 150000.0} if size in GPT_OSS else {}),
     }
 
 
@@ -80,6 +93,9 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "self_attn.q_proj.weight", (q, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
                 (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, q)),
                 (p + "post_attention_layernorm.weight", (hidden,))]
+        if cfg["model_type"] == "gpt_oss":
+            out += _gpt_oss_layer(p, cfg, q, kv)
+            continue
         if cfg["model_type"] != "llama":  # Qwen3's q/k norms
             out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
         if "num_experts" not in cfg:
@@ -96,6 +112,19 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (hidden,)), *head]
 
 
+def _gpt_oss_layer(p: str, cfg: dict, q: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss's layer beyond the Llama one: biases, sinks, the router and the fused experts (transformers' layout)."""
+    hidden, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    return [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.bias", (kv,)), (p + "self_attn.o_proj.bias", (hidden,)),
+            (p + "self_attn.sinks", (cfg["num_attention_heads"],)),
+            (p + "mlp.router.weight", (experts, hidden)), (p + "mlp.router.bias", (experts,)),
+            (p + "mlp.experts.gate_up_proj", (experts, hidden, 2 * inter)),
+            (p + "mlp.experts.gate_up_proj_bias", (experts, 2 * inter)),
+            (p + "mlp.experts.down_proj", (experts, inter, hidden)),
+            (p + "mlp.experts.down_proj_bias", (experts, hidden))]
+
+
 def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int = SHARD_BYTES) -> list[list[tuple[str, tuple]]]:
     """`plan` cut in order into groups of at most `limit` bf16 bytes (a larger tensor alone)."""
     groups, size = [[]], 0
@@ -109,7 +138,9 @@ def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int = SHARD_BYTES) ->
     return groups
 
 
-def draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def draw(shape: tuple[int, ...], gen: torch.Generator, name: str = "") -> torch.Tensor:
+    if name.endswith(("bias", "sinks")):  # gpt-oss's biases and sinks: zeros, as a fresh model starts
+        return torch.zeros(shape, dtype=torch.bfloat16)
     if len(shape) == 1:  # RMSNorm weights: the identity scale, as a fresh model starts
         return torch.ones(shape, dtype=torch.bfloat16)
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, STD, generator=gen).to(torch.bfloat16)
@@ -131,7 +162,7 @@ def write(out: Path, cfg: dict, seed: int, progress: bool = True, shard_bytes: i
         for fname, group in zip(names, groups):
             shard = {}
             for name, shape in group:
-                shard[name] = draw(shape, gen)
+                shard[name] = draw(shape, gen, name)
                 weight_map[name] = fname
                 bar.update(2 * shard[name].numel())
             save_file(shard, str(out / fname), metadata={"format": "pt"})
@@ -178,6 +209,7 @@ def verify(out: Path) -> str:
     name map wants (read from the safetensors headers, nothing loaded)."""
     from safetensors import safe_open
 
+    from margingate.models.fused_experts import split
     from margingate.models.loader import load_config
     from margingate.models.weights import check
 
@@ -186,7 +218,7 @@ def verify(out: Path) -> str:
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             state.update({k: torch.empty(fh.get_slice(k).get_shape(), device="meta") for k in fh.keys()})
-    check(cfg, state, str(out))
+    check(cfg, split(cfg, state), str(out))
     return cfg.fingerprint()
 
 
@@ -217,7 +249,8 @@ def make(size: str, out: Path, seed: int = 0, force: bool = False, layers: int |
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", required=True, choices=sorted(SIZES), metavar="{1b,8b,270m,moe-a1b,moe-tiny,qwen3-1.7b}")
+    p.add_argument("--size", required=True, choices=sorted(SIZES),
+                   metavar="{1b,8b,270m,moe-a1b,moe-tiny,qwen3-1.7b,gpt-oss-20b-w}")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights: the same seed writes the same folder")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -107,7 +107,9 @@ def _raw(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling of type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     "RoPE scaling of type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn RoPE scaling needs numeric"),
     ({"rope_parameters": {"rope_type": "made-up", "rope_theta": 1e4}}, "RoPE scaling of type 'made-up'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling of type 'dynamic'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "llama3 RoPE scaling needs numeric"),
@@ -131,7 +133,7 @@ def test_fields_at_their_off_values_load():
 
 
 @pytest.mark.parametrize("config_class", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config",
-                                          "Qwen3MoeConfig", "MixtralConfig", "Gemma3TextConfig"])
+                                          "Qwen3MoeConfig", "MixtralConfig", "Gemma3TextConfig", "GptOssConfig"])
 def test_every_key_of_transformers_configs_is_used_refused_or_known_to_leave_the_forward_alone(config_class):
     """A transformers release that adds a field fails here until the field is sorted into one of them."""
     keys = set(getattr(tf, config_class)(**SHAPE, rope_scaling=LLAMA3 if config_class == "LlamaConfig" else None)
@@ -164,9 +166,9 @@ def test_a_gguf_states_its_rope_scaling_in_config_json():
     plain = SimpleNamespace(tensors=[])
     linear = rope_config(lambda k, d=None: meta.get(k, d), plain)
     assert linear == {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
-    yarn = rope_config(lambda k, d=None: {"rope.scaling.type": "yarn"}.get(k, d), plain)
-    with pytest.raises(ValueError, match="RoPE scaling of type 'yarn'"):
-        ModelConfig.from_hf(_raw(**yarn), "a yarn gguf")
+    longrope = rope_config(lambda k, d=None: {"rope.scaling.type": "longrope"}.get(k, d), plain)
+    with pytest.raises(ValueError, match="RoPE scaling of type 'longrope'"):
+        ModelConfig.from_hf(_raw(**longrope), "a longrope gguf")
 
 
 def test_the_gguf_export_refuses_a_scaled_rope_by_name(tmp_path):

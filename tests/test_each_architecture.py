@@ -28,6 +28,12 @@ SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 256}
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=128)
+# gpt-oss: sliding layers alternating with full ones (a window well inside the 1,024 positions), YaRN with an
+# original context below them, and a SwiGLU limit low enough that these small activations are clamped
+YARN = {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 256}
+GPT_OSS = {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128,
+           "sliding_window": 128, "rope_parameters": YARN, "swiglu_limit": 0.5}
 ARCHITECTURES = {  # name: (config class, model class, the config's own fields)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3}),
@@ -40,6 +46,7 @@ ARCHITECTURES = {  # name: (config class, model class, the config's own fields)
                                                         "intermediate_size": 256, "rope_theta": 1e6}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "sliding_window": 256,
                                                         "query_pre_attn_scalar": 64}),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
 }
 
 
@@ -53,6 +60,8 @@ def _hf_model(name: str, folder):
         for param_name, p in model.named_parameters():
             if "norm" in param_name:  # Gemma's norms scale by 1 + w (w = 0 at init), the others by w (= 1)
                 torch.nn.init.normal_(p, mean=0.0 if name == "gemma3" else 1.0, std=0.2)
+            if name == "gpt-oss" and param_name.endswith(("sinks", "bias")):  # at or near 0 at init
+                torch.nn.init.normal_(p, std=1.0 if param_name.endswith("sinks") else 0.05)
             p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(folder)
     return model
@@ -127,8 +136,20 @@ def _relative_error(grads: dict[str, torch.Tensor], truth: dict[str, torch.Tenso
     return float(diff.norm() / torch.cat([t.double().flatten() for t in truth.values()]).norm())
 
 
+TRAINABLE = [n for n in ARCHITECTURES if n != "gpt-oss"]  # gpt-oss: refused by name (test_gpt_oss_is_not_trainable)
+
+
+def test_gpt_oss_is_not_trainable(tmp_path):
+    from margingate.train import TrainableModel
+
+    _hf_model("gpt-oss", tmp_path / "g")
+    folder = resolve_model_dir(str(tmp_path / "g"))
+    with pytest.raises(ValueError, match="GptOssForCausalLM is not trainable here"):
+        TrainableModel(load_config(folder), load_state_dict(folder, torch.bfloat16))
+
+
 @pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in ARCHITECTURES])
+                                  for n in TRAINABLE])
 def test_trainable_model_is_the_engine_bitwise_and_its_gradients_as_right_as_transformers_bf16(name, tmp_path):
     """Three sequences of mixed lengths in one right-padded trainer batch: each row's logits are the engine's
     forward of that sequence alone, bitwise; the gradient of their NLL (fp32 master weights) is at most 1.5x

@@ -112,6 +112,9 @@ def _hf_folder(kind: str, out, model_dir):
         "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
             head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+        # gpt-oss: fused experts in the folder, per-expert tensors on both sides of the GGUF
+        "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                               sliding_window=32, tie_word_embeddings=False)),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(cfg_cls(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -119,7 +122,7 @@ def _hf_folder(kind: str, out, model_dir):
                               rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # transformers starts them at 0 or 1: no order shows
+            if name.endswith(("bias", "sinks")) or "norm" in name:  # at 0 or 1 at init: no order shows
                 torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.5)
     model.to(torch.bfloat16).save_pretrained(str(out))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -127,7 +130,8 @@ def _hf_folder(kind: str, out, model_dir):
     return out
 
 
-@pytest.fixture(scope="module", params=["script-tiny", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
+@pytest.fixture(scope="module", params=["script-tiny", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "mixtral",
+                                        pytest.param("gpt-oss", marks=pytest.mark.slow)])
 def plain(request, model_dir, tmp_path_factory):
     """(folder, its exported GGUF read back): a folder of no embedded GGUF (no `source_gguf`)."""
     from margingate.models.gguf_export import write_bf16_gguf
@@ -182,13 +186,14 @@ def test_plain_folder_metadata_is_its_config_and_tokenizer(plain, embedded_token
 
 
 def test_plain_folder_tensors_are_its_weights_in_llama_cpps_layout(plain):
+    from margingate.models.fused_experts import split
     from margingate.models.gguf_export import LLAMA_CPP_ARCHS, read_tensor
     from margingate.models.gguf_names import ARCHS, gguf_name, permute
     from margingate.models.loader import load_config, load_state_dict
 
     folder, reader = plain
     cfg = load_config(folder)
-    ours = load_state_dict(folder)
+    ours = split(cfg, load_state_dict(folder))
     if cfg.tie_embeddings:
         assert "output.weight" not in {t.name for t in reader.tensors}
         ours.pop("lm_head.weight", None)
@@ -203,7 +208,8 @@ def test_plain_folder_tensors_are_its_weights_in_llama_cpps_layout(plain):
         elif llama and ".attn_k." in t.name:
             want = permute(want, cfg.num_kv_heads)
         assert list(reversed(t.shape.tolist())) == list(want.shape), t.name  # GGUF lists dims innermost first
-        want_type = gguf.GGMLQuantizationType.F32 if want.dim() == 1 else gguf.GGMLQuantizationType.BF16
+        f32 = want.dim() == 1 or t.name.endswith(".bias")  # gpt-oss's experts' biases: stacked, F32
+        want_type = gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16
         assert t.tensor_type == want_type, t.name
         assert torch.equal(read_tensor(t).reshape(want.shape), want.to(read_tensor(t).dtype)), t.name
     if cfg.attention_bias:  # written, and moved: the permutation is not the identity on them
@@ -218,6 +224,7 @@ def test_plain_folder_round_trips_through_our_gguf_importer(plain, tmp_path, mon
     from pathlib import Path
 
     from margingate.models import gguf_import
+    from margingate.models.fused_experts import split
     from margingate.models.loader import load_config, load_state_dict
 
     folder, reader = plain
@@ -225,8 +232,8 @@ def test_plain_folder_round_trips_through_our_gguf_importer(plain, tmp_path, mon
     monkeypatch.setattr(gguf_import, "save_tokenizer", lambda path, out, reader: None)
     monkeypatch.setattr(gguf_import, "readers", lambda paths: [reader])
     gguf_import.convert([Path(reader.data.filename)], tmp_path / "back")
-    back, ours = load_state_dict(tmp_path / "back"), load_state_dict(folder)
     cfg, cfg_back = load_config(folder), load_config(tmp_path / "back")
+    back, ours = load_state_dict(tmp_path / "back"), split(cfg, load_state_dict(folder))
     if cfg.tie_embeddings:
         ours.pop("lm_head.weight", None)
     assert set(back) == set(ours)

@@ -25,6 +25,10 @@ KINDS = {
                               dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16,
                                    mlp_only_layers=[0])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=32, num_local_experts=4)),
+    # sinks, a sliding layer (window 8 of the 24 positions), YaRN, biases, the clamped SwiGLU (limit low enough
+    # to clamp these activations)
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(intermediate_size=32, num_local_experts=4, head_dim=16,
+                                                          sliding_window=8, swiglu_limit=0.3)),
 }
 
 
@@ -36,15 +40,17 @@ def _hf_folder(kind: str, tmp_path):
         for name, p in model.named_parameters():
             if "norm" in name:  # q/k norms away from 1 so that they matter
                 torch.nn.init.normal_(p, mean=1.0, std=0.3)
-            elif "gate.weight" in name:  # a router sharp enough that the choice of experts matters
+            elif name.endswith(("gate.weight", "router.weight")):  # a router sharp enough that its choice matters
                 torch.nn.init.normal_(p, std=0.5)
+            elif name.endswith(("sinks", "bias")):  # gpt-oss's start at or near 0
+                torch.nn.init.normal_(p, std=1.0 if name.endswith("sinks") else 0.1)
             p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(tmp_path / kind)
     return model, resolve_model_dir(str(tmp_path / kind))
 
 
 @pytest.mark.parametrize("kernel_choice", list(KernelChoice), ids=["invariant-kernels", "library-kernels"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [k if k != "gpt-oss" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 def test_moe_matches_transformers(kind, kernel_choice, tmp_path):
     hf, folder = _hf_folder(kind, tmp_path)
     config = load_config(folder)
@@ -102,6 +108,13 @@ def _raw(kind: str, **changes) -> dict:
     ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok = 0 must lie in 1..4"),
     ("qwen3-moe", {"decoder_sparse_step": 0}, "decoder_sparse_step = 0"),
     ("qwen3-moe", {"rope_parameters": {"rope_type": "unheard-of", "rope_theta": 1e4}}, "'unheard-of'"),
+    ("gpt-oss", {"num_local_experts": 0}, "needs at least one expert"),
+    ("gpt-oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name"),
+    ("gpt-oss", {"sliding_window": None}, "need a sliding_window"),
+    ("gpt-oss", {"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ("gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config 'mxfp4'"),
+    ("gpt-oss", {"rope_parameters": {"rope_type": "yarn", "factor": 0.5, "rope_theta": 1e4,
+                                     "original_max_position_embeddings": 64}}, "needs factor > 1"),
 ])
 def test_bad_moe_configs_are_named_errors_at_load(kind, changes, named):
     with pytest.raises(ValueError, match=named):

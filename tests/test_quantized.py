@@ -29,6 +29,9 @@ def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     size, nbytes, _ = TYPES[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+    if type_name == "MXFP4":  # an E8M0 exponent per block: 2^(e - 128) over fp16's whole exact range
+        blocks[:, 0] = rng.integers(104, 144, blocks.shape[0])
+        return blocks.reshape(n, -1)
     a, b = FP16_FIELDS[type_name]
     wide = 2.0 ** rng.integers(-14, 4, (1,))
     scales = (rng.standard_normal((blocks.shape[0], (b - a) // 2)) * wide).astype(np.float16)
@@ -96,6 +99,18 @@ def test_rows_that_do_not_fill_panels_are_not_fused_quantized():
     assert not panelable(parts) and panelable(parts[::-1])
     with pytest.raises(ValueError, match="whole panels"):
         quant_weight(parts)
+
+
+def test_an_mxfp4_scale_that_fp16_cannot_hold_is_refused_and_a_zero_block_is_kept():
+    """MXFP4's codes are Q5_0's shape (value + 16, zero 16) with d = 2^(e - 128) in fp16: exact for e in
+    [104, 143]. Outside, kept quantized it would be another number: refused by name. A block of zeros keeps
+    its bits whatever its exponent (d 0)."""
+    data = random_tensor("MXFP4", 4, 64)
+    data[1, 0] = 250
+    with pytest.raises(QuantFormatError, match="2\\^122"):
+        quant_codes(data, "MXFP4")
+    data[1, 0], data[1, 1:17] = 3, 0  # e = 3, all codes +0
+    assert same_bits(quant_codes(data, "MXFP4").bf16(), loader_bf16(data, "MXFP4"))
 
 
 def test_a_scale_that_is_not_finite_is_refused_with_the_tensors_name():

@@ -236,7 +236,17 @@ def test_a_forced_call_names_the_markers_a_tokenizer_has_as_one_token(model_dir)
 
     hf = AutoTokenizer.from_pretrained(model_dir)
     hf.add_tokens([tool_format.OPEN, tool_format.CLOSE])
-    grammars = Grammars(hf, len(hf))
+
+    class WithMarkers:  # transformers' tokenizer with the two added, read as Grammars reads ours
+        eos_token_id = hf.eos_token_id
+
+        def backend_json(self):
+            return hf.backend_tokenizer.to_str()
+
+        def encode(self, text):
+            return hf.encode(text, add_special_tokens=False)
+
+    grammars = Grammars(WithMarkers(), len(hf))
     assert grammars.is_special(tool_format.OPEN) and not grammars.is_special("get_weather")
     params = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
     ids = hf.encode(tool_format.block("get_weather", {"city": "Paris"}), add_special_tokens=False)

@@ -89,7 +89,7 @@ def caches(dtype=torch.bfloat16):
     return randn(S, HKV, L, D, dtype=dtype, seed=10), randn(S, HKV, L, D, dtype=dtype, seed=11)
 
 
-def attend(q, kc, vc, slots, lengths, scale, window=0):
+def attend(q, kc, vc, slots, lengths, scale, window=0, sinks=None):
     """`mt.attention` over the slot caches [S, HKV, L, D] laid out as one layer's paged cache, blocks of 16
     positions in a shuffled order (request s: block table s)."""
     slots_n, hkv, length, d = kc.shape  # the module's toy sizes, or the CUDA test's real ones
@@ -102,18 +102,24 @@ def attend(q, kc, vc, slots, lengths, scale, window=0):
         return out
 
     none = torch.empty(0, device=DEV)
-    return mt.attention(q, (pages(kc), pages(vc), none, none), tables, slots, lengths, scale, window=window)
+    return mt.attention(q, (pages(kc), pages(vc), none, none), tables, slots, lengths, scale, window=window,
+                        sinks=sinks)
 
 
-def reference_attention(q, k_cache, v_cache, slots, lengths, scale, window=0):
-    """fp64 softmax attention, row by row, over keys [lo, length) of each row's slot."""
+def reference_attention(q, k_cache, v_cache, slots, lengths, scale, window=0, sinks=None):
+    """fp64 softmax attention, row by row, over keys [lo, length) of each row's slot; `sinks` [H]: a logit per
+    head joined to the softmax and dropped after it (transformers' gpt-oss)."""
     rows = []
     for r in range(q.shape[0]):
         n = int(lengths[r])
         lo = max(0, n - window) if window else 0
         k = k_cache[int(slots[r]), :, lo:n].double().repeat_interleave(H // HKV, dim=0)
         v = v_cache[int(slots[r]), :, lo:n].double().repeat_interleave(H // HKV, dim=0)
-        p = (torch.einsum("hd,hkd->hk", q[r].double(), k) * scale).softmax(-1)
+        s = torch.einsum("hd,hkd->hk", q[r].double(), k) * scale
+        if sinks is not None:
+            p = torch.cat((s, sinks.double()[:, None]), dim=-1).softmax(-1)[:, :-1]
+        else:
+            p = s.softmax(-1)
         rows.append(torch.einsum("hk,hkd->hd", p, v))
     return torch.stack(rows)
 
@@ -134,6 +140,22 @@ def test_triton_attention_matches_reference(dtype, window):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), reference_attention(q, kc, vc, slots, lengths, D ** -0.5, window),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.slow  # the interpreter over 7 rows of up to 150 keys: seconds
+def test_triton_attention_sinks_join_the_denominator():
+    """gpt-oss's sinks: against the fp64 softmax with the sink joined, and a row alone equals it in the call."""
+    kc, vc = caches()
+    n = len(EDGES)
+    q = randn(n, H, D, seed=12)
+    sinks = randn(H, seed=13) * 3
+    slots = torch.tensor([r % S for r in range(n)], device=DEV)
+    lengths = torch.tensor(EDGES, device=DEV)
+    out = attend(q, kc, vc, slots, lengths, D ** -0.5, window=40, sinks=sinks)
+    want = reference_attention(q, kc, vc, slots, lengths, D ** -0.5, 40, sinks)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert (out - attend(q, kc, vc, slots, lengths, D ** -0.5, window=40)).abs().max() > 1e-3  # the sinks count
+    assert torch.equal(attend(q[3:4], kc, vc, slots[3:4], lengths[3:4], D ** -0.5, window=40, sinks=sinks), out[3:4])
 
 
 @pytest.mark.parametrize("window", [0, 40])
@@ -214,6 +236,20 @@ def test_triton_activations_match_library(dtype, name):
     tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out, getattr(library, name)(gate_up), rtol=tol, atol=1e-5)
     assert torch.equal(getattr(mt, name)(gate_up[2:3]), out[2:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_clamped_swiglu_is_the_compiled_kernels(dtype):
+    """gpt-oss's activation: the compiled kernel's roundings (csrc/rowwise.cpp) within one bf16 step (its exp is
+    not Triton's), near transformers' formula, clamped both ways (a small limit), a row alone the same."""
+    from margingate.kernels import invariant
+
+    gate_up = randn(5, 2 * 200, dtype=dtype, seed=25) * 3
+    out = mt.swiglu_clamped(gate_up, 1.702, 2.0)
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, invariant.swiglu_clamped(gate_up.cpu(), 1.702, 2.0).to(DEV), rtol=tol, atol=1e-5)
+    torch.testing.assert_close(out, library.swiglu_clamped(gate_up, 1.702, 2.0), rtol=tol, atol=1e-5)
+    assert torch.equal(mt.swiglu_clamped(gate_up[2:3], 1.702, 2.0), out[2:3])
 
 
 @pytest.mark.parametrize("name", ["silu_mul", "gelu_tanh_mul"])

@@ -95,23 +95,24 @@ def gather_padded(cache: torch.Tensor, scales: torch.Tensor, tables: torch.Tenso
 
 
 def attend(q: torch.Tensor, kv: LayerKV, rows: AttentionRows, dtype: torch.dtype, scale: float,
-           window: int = 0) -> torch.Tensor:
+           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, heads, D] against one layer's paged cache `kv` (invariant.LayerKV), scores times `scale` (the
     model config's `attention_scale`); `window` > 0: each row sees only its last `window` keys (sliding-window
-    layers). Rows built for the library kernels send their batched rows through one padded SDPA call,
+    layers); `sinks` [heads]: gpt-oss's attention sinks (a logit per head in the softmax's denominator,
+    csrc/contract.h 3). Rows built for the library kernels send their batched rows through one padded call,
     reading the cache in `dtype`."""
     if rows.batched is None:
         if rows.triton:
-            return triton_kernels.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, window)
-        return invariant.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, rows.aligns, window)
+            return triton_kernels.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, window, sinks)
+        return invariant.attention(q, kv, rows.tables, rows.table_of, rows.lengths, scale, rows.aligns, window, sinks)
     out = torch.empty_like(q)
     if rows.exact is not None:
         idx, table_of, lengths = rows.exact
         exact = triton_kernels.attention if rows.triton else invariant.attention
-        out[idx] = exact(q[idx], kv, rows.tables, table_of, lengths, scale, window=window)
+        out[idx] = exact(q[idx], kv, rows.tables, table_of, lengths, scale, window=window, sinks=sinks)
     b = rows.batched
     k, v, k_scale, v_scale = kv
     kb = gather_padded(k, k_scale, b.tables, b.padded_length, dtype)
     vb = gather_padded(v, v_scale, b.tables, b.padded_length, dtype)
-    out[b.rows] = library.batched_attention(q[b.rows], kb, vb, rows.mask(window), scale)
+    out[b.rows] = library.batched_attention(q[b.rows], kb, vb, rows.mask(window), scale, sinks)
     return out

@@ -112,17 +112,24 @@ def quantize_rows_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 
 def expert_set(experts: list[tuple[PackedWeight | QuantWeight, PackedWeight | QuantWeight]], top_k: int,
-               normalize: bool):
+               normalize: bool, gpt_oss=None):
     """A mixture-of-experts layer's (gate_up, down) per expert for `moe_block` and the compiled stack, parsed
-    once (csrc/moe.cpp); `[]` (top_k 0): a dense layer's empty set."""
+    once (csrc/moe.cpp); `[]` (top_k 0): a dense layer's empty set. `gpt_oss`: (the experts' (gate_up bias,
+    down bias) pairs, the router's bias, (alpha, limit)) for gpt-oss's biases, route and clamped SwiGLU."""
     n_gate_up, n_down = (experts[0][0].n, experts[0][1].n) if experts else (0, 0)
-    return ops().ExpertSet([g.data for g, _ in experts], [d.data for _, d in experts], n_gate_up, n_down, top_k,
-                           normalize)
+    out = ops().ExpertSet([g.data for g, _ in experts], [d.data for _, d in experts], n_gate_up, n_down, top_k,
+                          normalize)
+    if gpt_oss is not None:
+        biases, router_bias, (alpha, limit) = gpt_oss
+        out.set_gpt_oss([g for g, _ in biases], [d for _, d in biases], router_bias, alpha, limit)
+    return out
 
 
-def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits [N, E] -> (experts [N, k] int64, weights [N, k] fp32), models/moe.py's steps 2-4."""
-    experts, weights = ops().moe_route(logits.float().contiguous(), k, normalize)
+def moe_route(logits: torch.Tensor, k: int, normalize: bool,
+              topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [N, E] -> (experts [N, k] int64, weights [N, k] fp32), models/moe.py's steps 2-4
+    (`topk_first`: gpt-oss's, the top-k of the logits and then the softmax of those k)."""
+    experts, weights = ops().moe_route(logits.float().contiguous(), k, normalize, topk_first)
     return experts, weights
 
 
@@ -144,13 +151,18 @@ LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def attention(q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor,
-              scale: float, aligns: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+              scale: float, aligns: torch.Tensor | None = None, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Row r of q [N, H, D] attends over keys [0, lengths[r]) of its request's cache: block table
     tables[table_of[r]] ([T, W] int64) of the layer's paged cache `kv` (with `window` > 0, only the last
     `window` keys), its key chunks laid from its first key (exact; aligns None or 0) or aligned to a
-    padded length aligns[r] (`fast`)."""
+    padded length aligns[r] (`fast`). `sinks` [H]: gpt-oss's per-head logits in the softmax's denominator."""
     aligns = torch.zeros_like(lengths) if aligns is None else aligns
-    return ops().attention(q.contiguous(), *kv, tables, table_of, lengths, aligns, scale, window)
+    sinks = _NO_SINKS if sinks is None else sinks
+    return ops().attention(q.contiguous(), *kv, tables, table_of, lengths, aligns, scale, window, sinks)
+
+
+_NO_SINKS = torch.empty(0)
 
 
 def kv_write(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, table_of: torch.Tensor,
@@ -160,9 +172,10 @@ def kv_write(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor
     ops().kv_write(*kv, k.contiguous(), v.contiguous(), tables, table_of, positions)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Per-row RMSNorm. `unit_offset` (Gemma): the weight stored is w, the scale 1 + w, applied in fp32."""
-    return ops().rmsnorm(x.contiguous(), weight, eps, unit_offset)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Per-row RMSNorm. `mode` (LayerSpec.norm_mode): 0 the normed row rounded, then times w; 1 (Gemma, or True):
+    the weight stored is w, the scale 1 + w, applied in fp32; 2 (gpt-oss): times w in fp32. Rounded once after."""
+    return ops().rmsnorm(x.contiguous(), weight, eps, int(mode))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -171,6 +184,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ops().gelu_tanh_mul(gate_up.contiguous())
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+    limit), each op rounded as transformers' (csrc/rowwise.cpp)."""
+    return ops().swiglu_clamped(gate_up.contiguous(), alpha, limit)
 
 
 def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ projection, residual add, norm, MLP (dense or a mixture of experts), residual ad
 changes is a handful of switches, listed here. Both forwards read them: the Python layer path
 (`models/decoder.py`: fp32 and library kernels, Triton) and the compiled stack (`csrc/stack.cpp`, through
 `invariant.stack_spec`), so they cannot disagree. The per-model numbers that go with a layer (biases,
-RoPE base and scaling, sliding windows, experts) come from the model's config.
+RoPE base and scaling, sliding windows, experts, the experts' activation) come from the model's config.
 
 Adding an architecture is one `LayerSpec` (in `models/architectures.py`) plus its config mapping; a
 switch that no existing one covers is a field here, in the Python layer, and in the stack.
@@ -26,10 +26,19 @@ class LayerSpec:
     #                                  attention's output, where the Llama family's norms the MLP's input)
     activation: str = "silu"         # the MLP's gate activation (one of ACTIVATIONS)
     embed_scale: bool = False        # embeddings times sqrt(hidden), that factor rounded to the activations' dtype
+    attention_sinks: bool = False    # a learned logit per query head joins the softmax's denominator (gpt-oss)
+    fp32_norm_product: bool = False  # every RMSNorm multiplies the fp32 normed row by w in fp32, rounds once
+    #                                  (gpt-oss), where the Llama family rounds the normed row first
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r} (choose from {', '.join(ACTIVATIONS)})")
+
+    @property
+    def norm_mode(self) -> int:
+        """How a norm's row meets its weight, as the kernels' rmsnorm takes it: 0 the Llama family's (the normed
+        row rounded, then times w), 1 (1 + w) in fp32 (Gemma), 2 w in fp32 (gpt-oss); each rounded once after."""
+        return 1 if self.unit_offset_norms else 2 if self.fp32_norm_product else 0
 
     @property
     def extra_norms(self) -> tuple[str, ...]:

@@ -29,30 +29,38 @@ Linear = Callable[..., torch.Tensor]  # (x [M, K], w [N, K], bias [N] | None = N
 class KernelSet:
     name: str
     linear: Linear
-    rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, unit_offset=False)
+    rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, mode=0: LayerSpec.norm_mode)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     own_weights: bool  # True: the model's bf16 weights as loaded (packed for INVARIANT), for any activation dtype
     experts: Callable[..., torch.Tensor] | None = None  # (x, router, expert_set): an MoE block in one call
     route: Callable[..., tuple] | None = None  # (router logits, k, normalize) -> (experts, weights); None: moe.route
+    swiglu_clamped: Callable[..., torch.Tensor] | None = None  # (gate_up, alpha, limit): gpt-oss's experts
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """down(act(gate) * up), gate|up fused in one weight; act is SiLU, or GELU-tanh (Gemma)."""
         act = self.gelu_tanh_mul if gelu else self.silu_mul
         return self.linear(act(self.linear(x, gate_up)), down)
 
+    def biased_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, biases: tuple,
+                   swiglu: tuple[float, float]) -> torch.Tensor:
+        """gpt-oss's expert: down(swiglu_clamped(gate_up(x) + b1) ) + b2, `swiglu` its (alpha, limit)."""
+        if self.swiglu_clamped is None:
+            raise ValueError(f"the {self.name} kernels have no clamped SwiGLU (gpt-oss's experts)")
+        return self.linear(self.swiglu_clamped(self.linear(x, gate_up, biases[0]), *swiglu), down, biases[1])
+
     def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
-               unit_offset: bool = False) -> torch.Tensor:
+               norm_mode: int = 0) -> torch.Tensor:
         """The final norm and the head, in the activations' dtype, then widened to fp32."""
-        return self.linear(self.rmsnorm(h, norm, eps, unit_offset), lm_head).float()
+        return self.linear(self.rmsnorm(h, norm, eps, norm_mode), lm_head).float()
 
 
 INVARIANT = KernelSet("invariant", invariant.linear, invariant.rmsnorm, invariant.silu_mul, invariant.gelu_tanh_mul,
-                      own_weights=True, experts=invariant.moe_block)
+                      own_weights=True, experts=invariant.moe_block, swiglu_clamped=invariant.swiglu_clamped)
 TRITON = KernelSet("triton", triton_kernels.linear, triton_kernels.rmsnorm, triton_kernels.silu_mul,
-                   triton_kernels.gelu_tanh_mul, own_weights=True)
+                   triton_kernels.gelu_tanh_mul, own_weights=True, swiglu_clamped=triton_kernels.swiglu_clamped)
 LIBRARY = KernelSet("library", library.linear, library.rmsnorm, library.silu_mul, library.gelu_tanh_mul,
-                    own_weights=False)
+                    own_weights=False, swiglu_clamped=library.swiglu_clamped)
 
 
 def kernel_set(kernel_choice: KernelChoice, triton: bool = False) -> KernelSet:

@@ -13,12 +13,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Hugging Face's RMSNorm: fp32 statistics; Llama casts back, then times the weight;
-    Gemma (`unit_offset`) times (1 + weight) in fp32, then casts back."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Hugging Face's RMSNorm: fp32 statistics; Llama (mode 0) casts back, then times the weight;
+    Gemma (mode 1, or True) times (1 + weight) in fp32, gpt-oss (2) times the weight in fp32, then casts back."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
+    if mode == 2:
+        return (weight.float() * h).to(x.dtype)
+    if mode:
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
@@ -31,6 +33,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation as transformers writes it, over gate | up (de-interleaved at load)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def length_mask(lengths: torch.Tensor, lmax: int, window: int = 0) -> torch.Tensor | None:
@@ -46,12 +55,22 @@ def length_mask(lengths: torch.Tensor, lmax: int, window: int = 0) -> torch.Tens
 
 
 def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decode query per row, one SDPA call over the padded batch.
     q: [B, H, D]; k, v: [B, Hkv, Lmax, D]; mask from `length_mask`.
 
     The query heads sharing a KV head become that head's query rows ([B, Hkv, H/Hkv, D]):
-    one SDPA row block per KV head instead of a q_len=1 call per query head."""
+    one SDPA row block per KV head instead of a q_len=1 call per query head. `sinks` [H] (gpt-oss): SDPA has
+    none, so the scores, the sink joined to them and their softmax are written out as transformers' eager
+    attention does."""
     b, h, d = q.shape
-    out = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v, attn_mask=mask, scale=scale)
-    return out.reshape(q.shape)
+    qg = q.view(b, k.shape[1], h // k.shape[1], d)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(q.shape)
+    scores = (qg @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, k.shape[1], h // k.shape[1], 1).expand(b, -1, -1, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).reshape(q.shape)

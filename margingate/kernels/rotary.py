@@ -15,9 +15,11 @@ class RotaryTable:
     rounded to fp32): a position's entry never depends on how many positions a forward holds
     or on the thread count (a vectorized library cos treats a tensor's tail differently)."""
 
-    def __init__(self, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None):
+    def __init__(self, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None, scale: float = 1.0):
         """`inv_freq`: the fp32 inverse frequencies where a RoPE scaling sets them (models/rope_scaling.py);
-        else plain RoPE's at base `theta`."""
+        else plain RoPE's at base `theta`. `scale`: what cos and sin are multiplied by (YaRN's attention
+        factor), in fp32, as transformers does before casting them."""
+        self.scale = scale
         if inv_freq is None:
             exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
             inv_freq = 1.0 / (theta ** exponents)
@@ -38,6 +40,8 @@ class RotaryTable:
         angles = (torch.arange(size, dtype=torch.float32)[:, None] * torch.tensor(self.inv_freq)[None, :]).tolist()
         cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float32)
         sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float32)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         self.tables = {(torch.float32, torch.device("cpu")): (cos, sin)}
         self.size = size

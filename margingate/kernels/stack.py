@@ -19,7 +19,7 @@ from .quant_pack import QuantWeight
 # order. C++ receives these names with the tensors and finds each weight by name.
 STACK_WEIGHTS = ("input_layernorm", "qkv", "qkv_bias", "o_proj", "o_proj_bias", "post_attention_layernorm",
                  "gate_up", "down_proj", "q_norm", "k_norm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm", "router")
+                 "post_feedforward_layernorm", "router", "sinks")
 
 
 def stack_weights(layers: list) -> list[torch.Tensor]:
@@ -43,6 +43,7 @@ def stack_spec(layer: LayerSpec, layers: list, *, heads: int, kv_heads: int, int
     spec = ops().StackSpec()
     spec.unit_offset_norms, spec.qk_norm = layer.unit_offset_norms, layer.qk_norm
     spec.sandwich_norms, spec.gelu_tanh = layer.sandwich_norms, layer.activation == "gelu_tanh"
+    spec.fp32_norm_product = layer.fp32_norm_product
     spec.heads, spec.kv_heads, spec.intermediate, spec.eps, spec.scale = heads, kv_heads, intermediate, eps, scale
     spec.windows = list(windows)
     spec.weights, spec.names = stack_weights(layers), list(STACK_WEIGHTS)

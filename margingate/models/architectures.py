@@ -11,12 +11,15 @@ from ..kernels.layer_spec import LayerSpec
 @dataclass(frozen=True)
 class MoeNames:
     """Where an MoE layer's tensors live under `model.layers.{i}.`: the router, and per expert e the
-    gate, up and down matrices under `{experts}.{e}.`."""
+    gate, up and down matrices under `{experts}.{e}.`. `gpt_oss`: the router and every expert matrix carry a
+    bias, the route takes the top-k of the logits before their softmax, the experts gate with the clamped
+    SwiGLU, and the checkpoint stores the experts fused (`fused_experts.py` splits them into these names)."""
     router: str
     experts: str
     gate: str
     up: str
     down: str
+    gpt_oss: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,8 @@ class Architecture:
 
     @property
     def extra(self) -> tuple[str, ...]:
-        """Layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP): the layer's extra norms."""
-        return self.layer.extra_norms
+        """Layer tensors beyond LAYER_MAP's (keys of EXTRA_LAYER_MAP): the layer's extra norms, its sinks."""
+        return self.layer.extra_norms + (("sinks",) if self.layer.attention_sinks else ())
 
 
 # The q/k norms (Qwen3, Gemma 3) and Gemma 3's norms around the MLP (LayerSpec.extra_norms).
@@ -42,7 +45,9 @@ EXTRA_LAYER_MAP = {
     "k_norm": ("self_attn.k_norm",),
     "pre_feedforward_layernorm": ("pre_feedforward_layernorm",),
     "post_feedforward_layernorm": ("post_feedforward_layernorm",),
+    "sinks": ("self_attn.sinks",),  # a parameter, not a module: no ".weight" (PARAMETERS)
 }
+PARAMETERS = ("self_attn.sinks",)  # map entries that name a tensor itself
 
 QK_NORMED = LayerSpec(qk_norm=True)
 # Gemma 3: (1 + w) norms, q/k norms, the attention and MLP outputs normed before their residual adds,
@@ -61,6 +66,12 @@ ARCHITECTURES = {  # as transformers builds them
                                         moe=MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": Architecture(attention_bias=False, biased=(), moe=MoeNames(
         "block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding layers (config), YaRN (config), and a biased MoE with
+    # its own route and clamped SwiGLU in every layer
+    "GptOssForCausalLM": Architecture(attention_bias=None, biased=("qkv", "o_proj"),
+                                      layer=LayerSpec(attention_sinks=True, fp32_norm_product=True),
+                                      moe=MoeNames("mlp.router", "mlp.experts", "gate_proj", "up_proj", "down_proj",
+                                                   gpt_oss=True)),
 }
 
 # Our tensors of layer i -> the Hugging Face modules under `model.layers.{i}.`, in concatenation order.

@@ -13,7 +13,7 @@ from .architectures import ARCHITECTURES
 
 # Fields absent from the fingerprint at their defaults, as before they existed: old fingerprints stay.
 OPTIONAL_FIELDS = ("layer_windows", "rope_local_theta", "query_pre_attn_scalar", "rope_scaling", "rope_freq_factors",
-                   "num_experts", "experts_per_token", "moe_intermediate", "norm_topk", "moe_layers")
+                   "num_experts", "experts_per_token", "moe_intermediate", "norm_topk", "moe_layers", "swiglu")
 
 # Every key transformers' configs of our architectures hold, by what our forward does with it; a test
 # (tests/test_config_fields.py) fails on a key in none of them, so no field that changes the forward
@@ -26,13 +26,14 @@ READ = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_
         "max_position_embeddings", "tie_word_embeddings", "attention_bias", "eos_token_id", "layer_types",
         "sliding_window", "_sliding_window_pattern", "sliding_window_pattern", "rope_local_base_freq",
         "query_pre_attn_scalar", "rope_freq_factors", "num_experts", "num_local_experts", "num_experts_per_tok",
-        "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
+        "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "swiglu_alpha",
+        "swiglu_limit"}
 NO_FORWARD = {"_name_or_path", "model_type", "dtype", "torch_dtype", "transformers_version", "bos_token_id",
               "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "pretraining_tp",
               "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
               "output_hidden_states", "problem_type", "return_dict", "output_router_logits", "router_aux_loss_coef",
               "router_jitter_noise", "max_window_layers"}
-REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window",
+REFUSED = {"hidden_act", "hidden_activation", "mlp_bias", "use_sliding_window", "quantization_config",
            "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "partial_rotary_factor"}
 
 
@@ -67,6 +68,7 @@ class ModelConfig:
     moe_intermediate: int = 0
     norm_topk: bool = False  # the kept weights divided by their sum
     moe_layers: tuple[int, ...] = ()
+    swiglu: tuple[float, ...] = ()  # gpt-oss's experts: the clamped SwiGLU's (alpha, limit)
 
     @classmethod
     def from_hf(cls, raw: dict, name: str) -> ModelConfig:
@@ -80,6 +82,8 @@ class ModelConfig:
         bias = ARCHITECTURES[architecture].attention_bias
         if architecture == "Gemma3ForCausalLM":
             gemma = _gemma3_fields(raw, name)
+        elif architecture == "GptOssForCausalLM":
+            gemma = _gpt_oss_fields(raw, name)
         else:
             _refuse_unimplemented(raw, name)
             gemma = {"rope_scaling": rope_scaling.parse(raw, name),
@@ -161,9 +165,9 @@ def _moe_fields(raw: dict, name: str, architecture: str) -> dict:
     if not isinstance(k, int) or not 1 <= k <= experts:
         raise ValueError(f"{name}: num_experts_per_tok = {k!r} must lie in 1..{experts} (the experts)")
     n = raw["num_hidden_layers"]
-    if architecture == "MixtralForCausalLM":
+    if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):  # every layer; gpt-oss normalizes in its route
         return {"num_experts": experts, "experts_per_token": k, "moe_intermediate": raw["intermediate_size"],
-                "norm_topk": True, "moe_layers": tuple(range(n))}
+                "norm_topk": architecture == "MixtralForCausalLM", "moe_layers": tuple(range(n))}
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"{name}: decoder_sparse_step = {step!r} must be at least 1")
@@ -200,3 +204,24 @@ def _gemma3_fields(raw: dict, name: str) -> dict:
     return {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
             "rope_theta": float(full["rope_theta"]), "rope_local_theta": float(local["rope_theta"]),
             "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or 0)}
+
+
+def _gpt_oss_fields(raw: dict, name: str) -> dict:
+    """gpt-oss: sliding layers as `layer_types` says (one RoPE for all), YaRN or plain RoPE, a mixture of experts
+    in every layer with its clamped SwiGLU's (alpha, limit). A quantized folder (transformers' MXFP4
+    `quantization_config`) is refused by name: its GGUF is the quantized route."""
+    if raw.get("quantization_config"):
+        raise ValueError(f"{name}: quantization_config {raw['quantization_config'].get('quant_method', '?')!r} is "
+                         "not supported in a Hugging Face folder (load the model's GGUF, or a bf16 folder)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{name}: hidden_act = {raw['hidden_act']!r} is not supported (only 'silu')")
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{name}: layer_types must name full_attention or sliding_attention for each of {n} layers")
+    window = int(raw.get("sliding_window") or 0)
+    if "sliding_attention" in types and window < 1:
+        raise ValueError(f"{name}: sliding_attention layers need a sliding_window >= 1 (got {window})")
+    return {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
+            "rope_scaling": rope_scaling.parse(raw, name), **_moe_fields(raw, name, "GptOssForCausalLM"),
+            "swiglu": (float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)))}

@@ -127,7 +127,7 @@ class DecoderModel:
                                                           triton=self.triton), kv, ops, W, dtype)
         if logits_rows is not None:
             h = h[logits_rows]
-        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.unit_offset_norms)
+        return ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.spec.norm_mode)
 
     @torch.inference_mode()
     def final_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
@@ -188,17 +188,18 @@ class DecoderModel:
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write(li, rows.tables, rows.table_of, rows.positions, k, v)
-            return attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li))
+            return attend(q, kv.layer(li), rows, dtype, cfg.attention_scale, cfg.window(li), L.sinks)
         return decoder_layer(cfg, L, h, ops, rope, attention)
 
 
 def rotary_tables(config: ModelConfig) -> tuple[rotary.RotaryTable, rotary.RotaryTable | None]:
-    """The model's RoPE tables: the full-attention layers' (with the config's scaling) and, where some layers
-    slide, those layers' own base (Gemma 3), else None."""
+    """The model's RoPE tables: the full-attention layers' (with the config's scaling) and, where the sliding
+    layers have their own base (Gemma 3), theirs, else None (gpt-oss's sliding layers rotate as the others)."""
     scaled = config.rope_scaling or config.rope_freq_factors
     full = rotary.RotaryTable(config.head_dim, config.rope_theta, rope_scaling.inv_freq(
-        config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None)
-    local = rotary.RotaryTable(config.head_dim, config.rope_local_theta) if any(config.layer_windows) else None
+        config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors) if scaled else None,
+        scale=rope_scaling.attention_factor(config.rope_scaling))
+    local = rotary.RotaryTable(config.head_dim, config.rope_local_theta) if config.rope_local_theta else None
     return full, local
 
 
@@ -230,7 +231,7 @@ def decoder_layer(cfg: ModelConfig, L: LayerWeights, h: torch.Tensor, ops: layer
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ops.rmsnorm(x, weight, cfg.rms_eps, spec.unit_offset_norms)
+        return ops.rmsnorm(x, weight, cfg.rms_eps, spec.norm_mode)
 
     q, k, v = ops.linear(norm(h, L.input_layernorm), L.qkv, L.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
     q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -246,7 +247,7 @@ def decoder_layer(cfg: ModelConfig, L: LayerWeights, h: torch.Tensor, ops: layer
         h = h + y
         x = norm(h, L.post_attention_layernorm)
     if L.experts:
-        y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops)
+        y = moe.moe_mlp(x, L, cfg.experts_per_token, cfg.norm_topk, ops, cfg.swiglu)
     else:
         y = ops.mlp(x, L.gate_up, L.down_proj, gelu=spec.activation == "gelu_tanh")
     return h + (norm(y, L.post_feedforward_layernorm) if spec.sandwich_norms else y)

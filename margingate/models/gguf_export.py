@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import fused_experts
 from .gguf_names import ARCHS, expert_names, gguf_name, hf_name, permute
 from .gguf_tokenizer import add_tokenizer
 from .loader import EMBEDDED, embedded_gguf_path, load_config
@@ -49,7 +50,8 @@ FILE_TYPES = {None: FILE_TYPE_BF16, "q8_0": 7, "q4_k": 14}
 # HF architecture -> our key of the llama.cpp architecture that runs it (gguf_names.ARCHS; convert_hf_to_gguf.py
 # writes Mistral as llama, and Mixtral as llama with experts).
 LLAMA_CPP_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
+                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
+                   "GptOssForCausalLM": "gpt-oss"}
 _SKIPPED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; the forward recomputes them
 
 
@@ -93,11 +95,12 @@ def write_atomically(path: Path, write) -> Path:
 
 
 class _Tensors(contextlib.ExitStack):
-    """A folder's safetensors tensors by name, each read when asked for, in BF16 as the loader reads them."""
+    """A folder's safetensors tensors by name, each read when asked for, in BF16 as the loader reads them;
+    gpt-oss's fused experts by the per-expert names the loader gives them (`fused_experts.pieces`)."""
 
     def __init__(self, folder: Path):
         super().__init__()
-        self.folder, self.files = folder, {}
+        self.folder, self.files, self.cuts, self._fused = folder, {}, {}, (None, None)
 
     def __enter__(self) -> _Tensors:
         from safetensors import safe_open
@@ -113,16 +116,28 @@ class _Tensors(contextlib.ExitStack):
         except BaseException:
             self.close()  # the files opened so far: no __exit__ follows a failed __enter__
             raise
+        self.cuts = fused_experts.pieces(load_config(self.folder), self.files)
         return self
 
     @property
     def names(self) -> list[str]:
-        return list(self.files)
+        fused = {f for f, _, _ in self.cuts.values()}
+        return [n for n in self.files if n not in fused] + list(self.cuts)
+
+    def has(self, name: str) -> bool:
+        return name in self.files or name in self.cuts
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.cuts:
+            return tuple(self.get(name).shape)
         return tuple(self.files[name].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.cuts:  # the last fused tensor read is kept: its experts are asked for one after another
+            fused, e, cut = self.cuts[name]
+            if self._fused[0] != fused:
+                self._fused = (fused, self.files[fused].get_tensor(fused).to(torch.bfloat16))
+            return cut(self._fused[1][e]).contiguous()
         return self.files[name].get_tensor(name).to(torch.bfloat16)
 
 
@@ -197,8 +212,14 @@ def _written_metadata(gguf, folder: Path, out: Path, tensors: _Tensors, file_typ
     if cfg.num_experts:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.experts_per_token)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "gpt-oss"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate)
+    if arch == "gpt-oss":  # what llama.cpp reads of it (the rest it fixes: _gpt_oss_fits checked them)
+        writer.add_sliding_window(max(cfg.layer_windows))
+        if cfg.rope_scaling:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(cfg.rope_scaling[1])
+            writer.add_rope_scaling_orig_ctx_len(int(cfg.rope_scaling[4]))
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(writer, folder, cfg.vocab_size)
@@ -222,6 +243,8 @@ def _llama_cpp_arch(cfg, folder: Path) -> str:
         raise ValueError(f"{folder}: {cfg.architecture} cannot be exported for llama.cpp: the GGUF "
                          f"export writes {', '.join(LLAMA_CPP_ARCHS)}; Gemma 3 needs its gemma3 architecture, "
                          "which it does not write")
+    if arch == "gpt-oss":
+        return _gpt_oss_fits(cfg, folder)
     if cfg.rope_scaling or cfg.rope_freq_factors:
         raise ValueError(f"{folder}: its RoPE scaling ({cfg.rope_scaling[0] if cfg.rope_scaling else 'rope_freqs'}) "
                          "is not written by the BF16 GGUF export (plain RoPE only): llama.cpp would run it unscaled")
@@ -232,6 +255,21 @@ def _llama_cpp_arch(cfg, folder: Path) -> str:
         raise ValueError(f"{folder}: only layers {list(cfg.moe_layers)} are MoE (decoder_sparse_step, "
                          f"mlp_only_layers); llama.cpp's {arch} makes every layer one")
     return arch
+
+
+def _gpt_oss_fits(cfg, folder: Path) -> str:
+    """llama.cpp's gpt-oss fixes what a config may vary: the even layers slide (one window), YaRN (or none) with
+    betas 32 and 1, the clamped SwiGLU's 1.702 and 7.0. A folder that varies them is refused by name."""
+    windows = {w for i, w in enumerate(cfg.layer_windows) if i % 2 == 0}
+    if len(windows) != 1 or 0 in windows or any(cfg.layer_windows[1::2]):
+        raise ValueError(f"{folder}: llama.cpp's gpt-oss slides every even layer by one window; this one's "
+                         f"windows are {list(cfg.layer_windows)}")
+    if cfg.rope_scaling and (cfg.rope_scaling[0] != "yarn" or cfg.rope_scaling[2:4] != (32.0, 1.0)):
+        raise ValueError(f"{folder}: its RoPE scaling {cfg.rope_scaling[:4]} is not llama.cpp's gpt-oss YaRN")
+    if cfg.swiglu != (1.702, 7.0):
+        raise ValueError(f"{folder}: llama.cpp fixes gpt-oss's SwiGLU at alpha 1.702, limit 7.0; this one's is "
+                         f"{cfg.swiglu}")
+    return "gpt-oss"
 
 
 def _order(name: str, layer_order: list[str]) -> tuple:
@@ -255,10 +293,10 @@ def _write_tensors(gguf, writer, folder: Path, arch_heads: tuple, names: list[st
     plan = []
     for name in names:
         hfs = expert_names(hf_name(name, arch), experts)
-        if any(hf not in tensors.files for hf in hfs):
-            raise ValueError(f"{folder} has no {next(hf for hf in hfs if hf not in tensors.files)} (GGUF {name})")
+        if not all(tensors.has(hf) for hf in hfs):
+            raise ValueError(f"{folder} has no {next(hf for hf in hfs if not tensors.has(hf))} (GGUF {name})")
         dims = (len(hfs), *tensors.shape(hfs[0])) if len(hfs) > 1 else tensors.shape(hfs[0])
-        kind, shape, dtype, nbytes = _layout(gguf, dims, quantize)
+        kind, shape, dtype, nbytes = _layout(gguf, dims, quantize, bias=name.endswith(".bias"))
         writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes,
                                raw_dtype=None if kind == gguf.GGMLQuantizationType.F32 else kind)
         plan.append((name, hfs, kind, int(np.prod(dims))))
@@ -283,12 +321,12 @@ def _rows(w: torch.Tensor, heads: int | None) -> torch.Tensor:
     return (permute(w, heads) if heads else w).contiguous()
 
 
-def _layout(gguf, dims: tuple[int, ...], quantize: str | None) -> tuple:
+def _layout(gguf, dims: tuple[int, ...], quantize: str | None, bias: bool = False) -> tuple:
     """How a tensor of (Hugging Face) shape `dims` is written: its GGML type, and the shape, dtype and
-    size of what is handed to the writer. 1-D: F32; 2-D (3-D: stacked experts): BF16, or quantize's
-    block type for its rows."""
+    size of what is handed to the writer. 1-D and biases (gpt-oss's experts' are stacked, 2-D): F32; 2-D
+    (3-D: stacked experts): BF16, or quantize's block type for its rows."""
     n, types = int(np.prod(dims)), gguf.GGMLQuantizationType
-    if len(dims) == 1:
+    if len(dims) == 1 or bias:
         return types.F32, dims, np.float32, 4 * n
     kind = block_type(dims[-1], quantize) if quantize else None
     if kind is None:

@@ -8,6 +8,7 @@ Gemma files store norm weights as 1 + w.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -138,8 +139,8 @@ def hf_tensors(paths: list[Path], arch: str, experts: int, tables: TensorTables 
             if t.name == ROPE_FREQS:
                 continue
             names = expert_names(hf_name(t.name, arch), experts)
-            stacked = len(t.shape) == 3
-            if stacked != (len(names) > 1) or (stacked and t.shape[2] != experts):
+            stacked = len(t.shape) == (2 if t.name.endswith(".bias") else 3)
+            if stacked != (len(names) > 1) or (stacked and t.shape[-1] != experts):
                 raise GGUFError(f"{path}: {t.name} has shape {t.shape}, which a {arch} model with {experts} "
                                 "experts does not have")
             yield from ((n, t.expert(e) if stacked else t) for e, n in enumerate(names))
@@ -196,7 +197,23 @@ def hf_config(meta: dict, reader, arch: str, tied: bool) -> dict:
     if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
         config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
                       query_pre_attn_scalar=config["head_dim"], hidden_activation="gelu_pytorch_tanh")
+    if arch == "gpt-oss":  # its YaRN is stated whole in rope_parameters
+        config.pop("rope_scaling", None)
+        config.update(gpt_oss_config(get, config))
     return config
+
+
+def gpt_oss_config(get, config: dict) -> dict:
+    """What llama.cpp fixes for gpt-oss rather than storing: every other layer sliding (the first one), YaRN's
+    betas 32 and 1 on the original config's untruncated ramp, the clamped SwiGLU's 1.702 and 7.0, biases."""
+    n = config["num_hidden_layers"]
+    rope = {"rope_type": "yarn", "rope_theta": config["rope_theta"], "factor": float(get("rope.scaling.factor", 32.0)),
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 4096))}
+    return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            "rope_parameters": rope, "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+            "intermediate_size": int(get("expert_feed_forward_length")),
+            "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count"))}
 
 
 def moe_config(get, arch: str) -> dict:
@@ -241,7 +258,8 @@ def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     tokenizer now, not from a second load; the others (Qwen2's class adds a normalizer) load it at first use."""
     from transformers import TokenizersBackend
 
-    tok = gguf_tokenizer(gguf_path, reader.meta)
+    with _gpt_oss_rope_keys_hidden(reader.meta):
+        tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         template = reader.meta.get("tokenizer.chat_template")
         if template is not None:  # none: a base model, prompted as text (tokenizer.py)
@@ -271,3 +289,27 @@ def gguf_tokenizer(gguf_path: Path, meta: dict):
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     cls = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(BY_TYPE[arch])), TokenizersBackend)
     return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@contextlib.contextmanager
+def _gpt_oss_rope_keys_hidden(meta: dict):
+    """transformers 5.24 reads a gpt-oss GGUF's `gpt-oss.rope.scaling.*` values from the wrong part of the field
+    (its key's length) and fails; the tokenizer needs none of them, so while it reads the file its reader does
+    not see them. Every other file is read as it is."""
+    if "gpt-oss.rope.scaling.factor" not in meta:
+        yield
+        return
+    import gguf
+
+    real = gguf.GGUFReader
+
+    class Reader(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real

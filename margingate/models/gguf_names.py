@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .architectures import PARAMETERS
+
 
 class GGUFError(ValueError):
     """A GGUF file this converter cannot turn into a supported model."""
@@ -46,6 +48,11 @@ QWEN3MOE_LAYER_NAMES = {**{k: v for k, v in QWEN3_LAYER_NAMES.items() if k not i
                         **_moe_names("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")}
 MIXTRAL_LAYER_NAMES = {**{k: v for k, v in GGUF_LAYER_NAMES.items() if k not in _DENSE_MLP},
                        **_moe_names("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")}
+# gpt-oss: its post_attention_norm is the MLP's input norm; attention sinks (a parameter: no ".weight" on our side);
+# the router and the stacked experts carry biases (ffn_gate_inp.bias, ffn_*_exps.bias [experts, rows])
+GPT_OSS_LAYER_NAMES = {**{k: v for k, v in GGUF_LAYER_NAMES.items() if k not in (*_DENSE_MLP, "ffn_norm")},
+                       "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                       **_moe_names("mlp.router", "mlp.experts", "gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ ARCHS = {  # our key; Mistral's files are arch "llama", Mixtral's "llama" with e
     "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", QWEN3_LAYER_NAMES, False, "qwen3"),
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", "qwen3_moe", QWEN3MOE_LAYER_NAMES, False, "qwen3moe"),
     "mixtral": GGUFArch("MixtralForCausalLM", "mixtral", MIXTRAL_LAYER_NAMES, True, "llama"),
+    "gpt-oss": GGUFArch("GptOssForCausalLM", "gpt_oss", GPT_OSS_LAYER_NAMES, False, "gpt-oss"),
 }
 
 
@@ -90,7 +98,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     layer_names = ARCHS[arch].layers
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_names:
         raise GGUFError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-    return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+    module = layer_names[parts[2]]
+    return f"model.layers.{parts[1]}.{module}" + ("" if module in PARAMETERS else f".{kind}")
 
 
 def expert_names(name: str, experts: int) -> list[str]:
@@ -100,7 +109,7 @@ def expert_names(name: str, experts: int) -> list[str]:
 
 def gguf_name(name: str, arch: str) -> str | None:
     """The GGUF name of Hugging Face tensor `name` (an expert's: its stacked tensor's); None: no place."""
-    base, kind = name.rsplit(".", 1)
+    base, kind = (name, "weight") if name.endswith(PARAMETERS) else name.rsplit(".", 1)
     model, layer = _inverse(arch)
     if base in model:
         return f"{model[base]}.{kind}"

@@ -90,9 +90,32 @@ def _q6_k(b):
     return q, _f16(b[:, 208:210]), b[:, 192:208].view(np.int8), None, None, 6, 32, 16, QK_K
 
 
+# MXFP4 (gpt-oss's experts): per 32 values an E8M0 exponent byte e and 16 bytes of E2M1 codes; value =
+# MXFP4_VALUES[code] * 2^(e - 128) (gguf-py: the E2M1 values doubled, the scale halved). The doubled values are
+# the integers {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so a block is Q5_0's shape exactly: 5-bit codes
+# value + 16 (zero 16) and d = 2^(e - 128) in fp16, a power of two that fp16 holds exactly for e in
+# [104, 143] (a block of zeros whatever its e). 5.5 bits a weight in memory against the file's 4.25.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _mxfp4(b):
+    q = (MXFP4_VALUES[_nibbles(b[:, 1:], 16)] + 16).astype(np.uint8)
+    d = np.ldexp(np.float32(1), b[:, 0].astype(np.int32) - 128).astype(np.float32)
+    zero_block = (q == 16).all(axis=1)
+    d = np.where(zero_block, np.float32(0), d)
+    with np.errstate(over="ignore"):  # a scale past fp16 becomes inf here, and is refused just below
+        d16 = d.astype(np.float16)
+    if not (d16.astype(np.float32) == d).all():
+        bad = int(b[~(d16.astype(np.float32) == d), 0][0])
+        raise QuantFormatError(f"MXFP4 block scale 2^{bad - 128} lies outside what fp16 holds exactly "
+                               "(2^-24 .. 2^15): this file's experts cannot be kept quantized")
+    return q, d16.reshape(-1, 1), None, None, None, 5, 16, 32, 32
+
+
 # GGUF type name -> (block size, bytes per block, the extraction)
 TYPES = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
-         "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k)}
+         "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
+         "MXFP4": (32, 17, _mxfp4)}
 
 
 class QuantFormatError(ValueError):

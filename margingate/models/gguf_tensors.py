@@ -98,10 +98,11 @@ class RawTensor:
         return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
 
     def expert(self, e: int) -> RawTensor:
-        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts])."""
+        """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts]), or its bias
+        of a stacked [experts, rows] one (gpt-oss)."""
         part = copy.copy(self)
-        part.nbytes = self.nbytes // self.shape[2]
-        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:2], self.rows[1:]
+        part.nbytes = self.nbytes // self.shape[-1]
+        part.start, part.shape, part.rows = self.start + e * part.nbytes, self.shape[:-1], self.rows[1:]
         return part
 
     def dequantized(self) -> np.ndarray:

@@ -11,6 +11,11 @@ Qwen3-MoE's and Mixtral's block, as transformers computes it, in one stated orde
    depend on which other rows chose the same expert), scaled by the row's weight, and the experts'
    outputs are added into the row by expert index, ascending, one rounding each.
 So a row's output is the same bits alone or in any batch, at any thread count.
+
+gpt-oss's block (`swiglu` set: its clamped SwiGLU's (alpha, limit)) differs in three places: the router and
+every expert matrix add a bias (in the linear's epilogue); steps 2-4 become a stable top-k of the logits
+themselves (ties to the lower expert), then the softmax of the k kept (exp of each minus the first, with the
+kernels' exp, their sum in rank order, fp32); the experts gate with (clamp(up) + 1) * g * sigmoid(alpha g).
 """
 from __future__ import annotations
 
@@ -19,26 +24,33 @@ import torch
 from ..kernels import invariant
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, normalize: bool, topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (experts [N, k], weights [N, k] fp32), steps 2-4 of the module doc (compiled:
-    csrc/moe.cpp, which the compiled block and stack call too)."""
-    return invariant.moe_route(logits.float().cpu(), k, normalize)
+    csrc/moe.cpp, which the compiled block and stack call too); `topk_first`: gpt-oss's."""
+    return invariant.moe_route(logits.float().cpu(), k, normalize, topk_first)
 
 
-def moe_mlp(x: torch.Tensor, layer, k: int, normalize: bool, ops) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, layer, k: int, normalize: bool, ops, swiglu: tuple = ()) -> torch.Tensor:
     """The block for rows x [N, hidden]: `layer` holds the router, the (gate_up, down) pairs per expert and,
-    for our kernels, their `expert_set`; `ops` the kernel set (its linear and SwiGLU MLP)."""
+    for our kernels, their `expert_set`; `ops` the kernel set (its linear and SwiGLU MLP). `swiglu`: gpt-oss's
+    (alpha, limit), with the router's and the experts' biases in `layer`."""
     if ops.experts is not None:  # the invariant kernels: the whole block in one compiled call
         return ops.experts(x, layer.router, layer.expert_set)
-    chosen, weights = (ops.route or route)(ops.linear(x, layer.router), k, normalize)  # logits in x's dtype
-    return expert_loop(x, chosen.to(x.device), weights.to(x.device, x.dtype), layer.experts, ops)
+    if swiglu and ops.route is not None:
+        raise ValueError(f"the {ops.name} kernels do not run gpt-oss's mixture of experts")
+    logits = ops.linear(x, layer.router, layer.router_bias)  # in x's dtype
+    chosen, weights = (ops.route or route)(logits, k, normalize, *((True,) if swiglu else ()))
+    return expert_loop(x, chosen.to(x.device), weights.to(x.device, x.dtype), layer.experts, ops,
+                       layer.expert_biases, swiglu)
 
 
-def expert_loop(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: list, ops) -> torch.Tensor:
+def expert_loop(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: list, ops,
+                biases: list | None = None, swiglu: tuple = ()) -> torch.Tensor:
     """Step 5 of the module doc, one expert at a time: the Triton and library kernel sets' path, and the
     statement of the order the compiled block keeps (tests/test_moe_grouped.py compares the two bitwise)."""
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():  # ascending; an expert no row chose costs nothing
         rows, slot = (chosen == e).nonzero(as_tuple=True)  # a row chooses an expert once: rows are distinct
-        out[rows] += ops.mlp(x[rows], *experts[e]) * weights[rows, slot, None]
+        y = ops.biased_mlp(x[rows], *experts[e], biases[e], swiglu) if swiglu else ops.mlp(x[rows], *experts[e])
+        out[rows] += y * weights[rows, slot, None]
     return out

@@ -16,7 +16,8 @@ import torch
 from ..kernels.invariant import expert_set
 from ..kernels.packing import PackedWeight, pack
 from ..kernels.quant_pack import QuantCodes, QuantWeight, panelable, quant_weight
-from .architectures import ARCHITECTURES, EXTRA_LAYER_MAP, IGNORED_SUFFIXES, LAYER_MAP, MODEL_MAP
+from . import fused_experts
+from .architectures import ARCHITECTURES, EXTRA_LAYER_MAP, IGNORED_SUFFIXES, LAYER_MAP, MODEL_MAP, PARAMETERS
 from .config import ModelConfig
 from .gguf_quant import GGUFMatrix
 
@@ -65,12 +66,17 @@ class LayerWeights:
     router: Matrix | None = None  # an MoE layer (models/moe.py): its gate, and (gate_up, down_proj) per expert
     experts: list[tuple[Matrix, Matrix]] | None = None
     expert_set: object | None = None  # the experts parsed once for the invariant kernels (invariant.expert_set)
+    sinks: torch.Tensor | None = None  # gpt-oss: the attention sinks, one logit per query head
+    router_bias: torch.Tensor | None = None  # gpt-oss: the router's bias, and (gate_up, down) biases per expert
+    expert_biases: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
         """Plain tensors in `dtype` (packed matrices unpacked)."""
-        experts = [(_cast(g, dtype), _cast(d, dtype)) for g, d in self.experts] if self.experts else None
+        def pairs(ps):
+            return [(_cast(g, dtype), _cast(d, dtype)) for g, d in ps] if ps else None
         return replace(self, **{f.name: _cast(getattr(self, f.name), dtype) for f in fields(self)
-                                if f.name not in ("experts", "expert_set")}, experts=experts, expert_set=None)
+                                if f.name not in ("experts", "expert_set", "expert_biases")},
+                       experts=pairs(self.experts), expert_biases=pairs(self.expert_biases), expert_set=None)
 
     def moe_matrices(self) -> list[Matrix]:
         """An MoE layer's router and its experts' matrices (none for a dense layer)."""
@@ -136,11 +142,16 @@ def weight_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
                 base = f"model.layers.{i}.{moe.experts}.{e}."
                 names[f"layers.{i}.experts.{e}.gate_up"] = (base + moe.gate + ".weight", base + moe.up + ".weight")
                 names[f"layers.{i}.experts.{e}.down_proj"] = (base + moe.down + ".weight",)
+                if moe.gpt_oss:
+                    names[f"layers.{i}.experts.{e}.gate_up.bias"] = (base + moe.gate + ".bias", base + moe.up + ".bias")
+                    names[f"layers.{i}.experts.{e}.down_proj.bias"] = (base + moe.down + ".bias",)
+            if moe.gpt_oss:
+                names[f"layers.{i}.router.bias"] = (f"model.layers.{i}.{moe.router}.bias",)
         for ours, modules in layer_map.items():
             if moe and ours in ("gate_up", "down_proj"):
                 continue
             full = [f"model.layers.{i}.{m}" for m in modules]
-            names[f"layers.{i}.{ours}"] = tuple(m + ".weight" for m in full)
+            names[f"layers.{i}.{ours}"] = tuple(m if m.endswith(PARAMETERS) else m + ".weight" for m in full)
             if config.attention_bias and ours in arch.biased:
                 names[f"layers.{i}.{ours}.bias"] = tuple(m + ".bias" for m in full)
     return names
@@ -152,11 +163,14 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     module, kind = name.rsplit(".", 1)
     module = module.rsplit(".", 1)[-1]
-    if ".experts." in name:  # an expert's gate and up (w1, w3), or its down (w2)
+    if ".experts." in name:  # an expert's gate and up (w1, w3), or its down (w2); gpt-oss: their biases
         moe = config.moe_intermediate
-        return (hidden, moe) if module in ("down_proj", "w2") else (moe, hidden)
-    if module == "gate":  # an MoE router
-        return (config.num_experts, hidden)
+        shape = (hidden, moe) if module in ("down_proj", "w2") else (moe, hidden)
+        return shape[:1] if kind == "bias" else shape
+    if module in ("gate", "router"):  # an MoE router (gpt-oss's: with a bias)
+        return (config.num_experts,) if kind == "bias" else (config.num_experts, hidden)
+    if kind == "sinks":
+        return (config.num_heads,)
     out, inp = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
                 "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
                 "embed_tokens": (config.vocab_size, hidden), "lm_head": (config.vocab_size, hidden),
@@ -214,6 +228,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     `ModelWeights.to`). A state from a GGUF carries its `packed_cache` (packed_cache.py): each matrix packed
     by an earlier load is mapped from the cache instead of packed again."""
     pack_ = pack if packed else (lambda t: t)
+    state = fused_experts.split(config, state)
     names = check(config, state, source)
     # a Checkpoint says how to keep its quantized matrices, or asks for them dequantized (--weights bf16)
     contract = getattr(state, "contract", "int8") if packed and device.type == "cpu" else None
@@ -244,8 +259,9 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         pairs = [(get(f"layers.{i}.experts.{e}.gate_up"), get(f"layers.{i}.experts.{e}.down_proj"))
                  for e in range(config.num_experts)]
         own = packed and device.type == "cpu"  # our C++ kernels' weights: the experts parsed once for them
-        return {"router": get(f"layers.{i}.router"), "experts": pairs,
-                "expert_set": expert_set(pairs, config.experts_per_token, config.norm_topk) if own else None}
+        biased, extra = _gpt_oss_biases(config, i, get) if config.swiglu else ({}, None)
+        return {"router": get(f"layers.{i}.router"), "experts": pairs, **biased,
+                "expert_set": expert_set(pairs, config.experts_per_token, config.norm_topk, extra) if own else None}
 
     embed = get("embed")
     layers = [LayerWeights(
@@ -264,6 +280,15 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         cache.save()
     return ModelWeights(embed=embed, norm=get("norm"), lm_head=lm_head, layers=layers,
                         experts_per_token=config.experts_per_token)
+
+
+def _gpt_oss_biases(config: ModelConfig, i: int, get) -> tuple[dict, tuple]:
+    """Layer i's router bias and each expert's (gate_up, down) biases (gpt-oss), as LayerWeights fields, and as
+    `invariant.expert_set` takes them with the SwiGLU's (alpha, limit)."""
+    router = get(f"layers.{i}.router.bias")
+    experts = [(get(f"layers.{i}.experts.{e}.gate_up.bias"), get(f"layers.{i}.experts.{e}.down_proj.bias"))
+               for e in range(config.num_experts)]
+    return {"router_bias": router, "expert_biases": experts}, (experts, router, config.swiglu)
 
 
 def streamed_bytes(weights: ModelWeights) -> int:

@@ -48,6 +48,9 @@ class TrainableModel(nn.Module):
         super().__init__()
         if param_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"parameters are bf16 or fp32 (master weights), not {param_dtype}")
+        if config.layer.attention_sinks or config.swiglu:  # no gradient of the sinks, the biased experts
+            raise ValueError(f"{config.architecture} is not trainable here: its attention sinks and clamped-SwiGLU "
+                             "experts have no backward in margingate.train")
         self.config = config
         self._names = check(config, state, source)
         for parts in self._names.values():
@@ -83,7 +86,7 @@ class TrainableModel(nn.Module):
             site.window = self.config.window(li)
             rope = local if site.window else full
             h = decoder_layer(self.config, L, h, self._ops, rope, lambda q, k, v: attention(q, k, v, site))
-        logits = self._ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.unit_offset_norms)
+        logits = self._ops.logits(h, W.norm, W.lm_head, self.config.rms_eps, self.config.layer.norm_mode)
         width = input_ids.shape[1]  # each token's row of the padded [batch * positions] grid, in one copy
         dest = torch.cat([torch.arange(b * width + a, b * width + e) for b, (a, e) in enumerate(rows_of)]).to(dev)
         out = logits.new_zeros(input_ids.numel(), logits.shape[-1]).index_copy(0, dest, logits)

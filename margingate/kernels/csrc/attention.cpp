@@ -148,9 +148,28 @@ struct CacheHead {
   }
 };
 
+// A row's g heads written out: acc / den, or, with attention sinks (gpt-oss: one learned logit per query head
+// that joins the softmax's denominator and carries no value), the sink merged last, as one more chunk of one
+// key whose value is zero: m = max(mx, sink), a = exp(mx - m), den = den * a + exp(sink - m), out = (acc * a) / den.
+template <typename T>
+void finish_row(const RowState& st, const float* sinks, int64_t g, int64_t d, T* out) {
+  for (int64_t h = 0; h < g; ++h) {
+    float a = 1.0f, den = st.den[h];
+    if (sinks) {
+      const float m = std::max(st.mx[h], sinks[h]);
+      a = exp1(st.mx[h] - m);
+      den = den * a + exp1(sinks[h] - m);
+    }
+    for (int64_t e = 0; e < d; ++e) {
+      const float acc = sinks ? st.acc[h * d + e] * a : st.acc[h * d + e];
+      out[h * d + e] = static_cast<T>(acc / den);
+    }
+  }
+}
+
 template <typename T, typename C>
 void attend_group(const T* const* q, const CacheHead<C>& kh, const CacheHead<C>& vh, const int64_t* len, int64_t rows,
-                  int64_t align, int64_t g, int64_t d, float scale, T* const* out) {
+                  int64_t align, int64_t g, int64_t d, float scale, const float* sinks, T* const* out) {
   const int64_t per_row = 2 * g * d + 2 * g;
   static thread_local std::vector<float> buf;
   buf.resize(rows * per_row + 2 * kChunk * d);
@@ -173,9 +192,7 @@ void attend_group(const T* const* q, const CacheHead<C>& kh, const CacheHead<C>&
     for (int64_t i = 0; i < rows; ++i)
       if (len[i] > c0) row_chunk(st[i], kf, vf, std::min(cn, len[i] - c0), g, d, scale);
   }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t e = 0; e < d; ++e) out[i][h * d + e] = static_cast<T>(st[i].acc[h * d + e] / st[i].den[h]);
+  for (int64_t i = 0; i < rows; ++i) finish_row(st[i], sinks, g, d, out[i]);
 }
 
 // Groups: runs of rows of one request (one block table) whose chunks start at 0 (a prompt's rows, a verifier window), so
@@ -210,7 +227,7 @@ std::vector<int64_t> costliest_first(const std::vector<int64_t>& starts, const i
 // One task: rows [r0, r0 + rows) against KV head kvh of their request's cache. q, out: [N, H, D] of T.
 template <typename T, typename C>
 void run_task(const T* q, const LayerCache& c, const BlockTables& bt, T* out, const int64_t* len, const int64_t* align,
-              int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale) {
+              int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale, const float* sinks) {
   const int64_t g = h / c.kv_heads, d = c.d;
   // the group's keys are [lo, len): attend_group sees them as a prefix starting at lo
   const int64_t lo = window > 0 ? std::max<int64_t>(0, len[r0] - window) : 0, al = align[r0] ? align[r0] - lo : 0;
@@ -224,15 +241,16 @@ void run_task(const T* q, const LayerCache& c, const BlockTables& bt, T* out, co
     qs[r] = q + ((r0 + r) * h + kvh * g) * d;
     os[r] = out + ((r0 + r) * h + kvh * g) * d;
   }
-  attend_group(qs, kh, vh, keys, rows, al, g, d, scale, os);
+  attend_group(qs, kh, vh, keys, rows, al, g, d, scale, sinks ? sinks + kvh * g : nullptr, os);
 }
 
 template <typename T>
 void run_task_for(const T* q, const LayerCache& c, const BlockTables& bt, T* out, const int64_t* len,
-                  const int64_t* align, int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale) {
-  if (c.dtype == at::kChar) run_task<T, int8_t>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
-  else if (c.dtype == at::kFloat) run_task<T, float>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
-  else run_task<T, bf16>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale);
+                  const int64_t* align, int64_t r0, int64_t rows, int64_t kvh, int64_t h, int64_t window, float scale,
+                  const float* sinks) {
+  if (c.dtype == at::kChar) run_task<T, int8_t>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale, sinks);
+  else if (c.dtype == at::kFloat) run_task<T, float>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale, sinks);
+  else run_task<T, bf16>(q, c, bt, out, len, align, r0, rows, kvh, h, window, scale, sinks);
 }
 
 }  // namespace
@@ -241,10 +259,11 @@ void run_task_for(const T* q, const LayerCache& c, const BlockTables& bt, T* out
 // `aligns`: per row, 0 (exact) or the padded length its chunks align to (see attend_group).
 // `window` > 0: a row sees only its last `window` keys (sliding-window layers) and lays its
 // chunks from the first of them, so its bits stay a function of its own position.
+// `sinks`: empty, or one fp32 logit per query head (gpt-oss's attention sinks, merged last: finish_row).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
                      const at::Tensor& table_of, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
-                     int64_t window) {
+                     int64_t window, const at::Tensor& sinks) {
   check_cpu(q, "q");
   const LayerCache c = layer_cache(k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(q.dim() == 3, "attention: q [N, H, D]");
@@ -254,6 +273,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   at::Tensor ln = lengths.to(at::kLong).contiguous(), al = aligns.to(at::kLong).contiguous();
   TORCH_CHECK(table_of.numel() == n && ln.numel() == n && al.numel() == n, "attention: one table, length, align per row");
   TORCH_CHECK(window >= 0, "attention: window must be >= 0");
+  const at::Tensor sk = sinks.numel() ? sinks.to(at::kFloat).contiguous() : sinks;
+  TORCH_CHECK(sk.numel() == 0 || sk.numel() == h, "attention: one sink per query head");
+  const float* sp = sk.numel() ? sk.data_ptr<float>() : nullptr;
   const BlockTables bt = block_tables(tables, table_of, ln, k_cache.size(0), c.block);
   const int64_t* lp = ln.data_ptr<int64_t>();
   const int64_t* ap = al.data_ptr<int64_t>();
@@ -269,9 +291,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     for (int64_t t; (t = next++) < int64_t(tasks.size());) {
       const int64_t i = tasks[t] / hkv, kvh = tasks[t] % hkv, r0 = starts[i], rows = starts[i + 1] - r0;
       if (fp32_q)
-        run_task_for(q.data_ptr<float>(), c, bt, out.data_ptr<float>(), lp, ap, r0, rows, kvh, h, window, sc);
+        run_task_for(q.data_ptr<float>(), c, bt, out.data_ptr<float>(), lp, ap, r0, rows, kvh, h, window, sc, sp);
       else
-        run_task_for(q.data_ptr<bf16>(), c, bt, out.data_ptr<bf16>(), lp, ap, r0, rows, kvh, h, window, sc);
+        run_task_for(q.data_ptr<bf16>(), c, bt, out.data_ptr<bf16>(), lp, ap, r0, rows, kvh, h, window, sc, sp);
     }
   });
   return out;

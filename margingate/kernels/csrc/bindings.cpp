@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_int8", &quantize_rows_int8, "x's rows quantized as the int8 contract does: q, scale, sum16");
   py::class_<ExpertSet, std::shared_ptr<ExpertSet>>(m, "ExpertSet", "a mixture-of-experts layer's experts, parsed once")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, bool>())
+      .def("set_gpt_oss", &ExpertSet::set_gpt_oss, "gpt-oss's biases, routing and clamped SwiGLU")
       .def("__len__", &ExpertSet::size)
       .def_property_readonly("grouped", [](const ExpertSet& s) { return !s.gate_up_int8.empty(); });
   m.def("moe_route", &moe_route, "a router's choice of experts and their fp32 weights, in models/moe.py's order");
@@ -26,8 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_block", &moe_block, "a mixture-of-experts block: router, route, experts, one call");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own paged cached prefix");
   m.def("kv_write", &kv_write, "rows' K and V into their positions of a paged cache (int8: quantized per head)");
-  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (unit_offset: Gemma's 1 + weight)");
+  m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (mode 1: Gemma's 1 + weight; 2: gpt-oss's fp32 product)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("swiglu_clamped", &swiglu_clamped, "gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit)");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
   m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
   m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
@@ -38,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackSpec, std::shared_ptr<StackSpec>>(m, "StackSpec", "a model's decoder stack: layer, shape, weights")
       .def(py::init<>())
       .def_readwrite("unit_offset_norms", &StackSpec::unit_offset_norms)
+      .def_readwrite("fp32_norm_product", &StackSpec::fp32_norm_product)
       .def_readwrite("qk_norm", &StackSpec::qk_norm)
       .def_readwrite("sandwich_norms", &StackSpec::sandwich_norms)
       .def_readwrite("gelu_tanh", &StackSpec::gelu_tanh)

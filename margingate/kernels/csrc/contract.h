@@ -27,7 +27,10 @@
 //    products of k = l mod 8 in ascending k (one FMA chain), then `hsum` adds the lanes in a fixed tree.
 // 3. attention: keys in chunks of kChunk positions counted from the row's first key (position 0,
 //    or the start of its sliding window; `fast`'s batched rows: aligned to the padded batch, on
-//    purpose); online softmax, chunks merged in ascending order; exp is `exp8` below.
+//    purpose); online softmax, chunks merged in ascending order; exp is `exp8` below. Attention sinks
+//    (gpt-oss: a logit s per query head in the denominator, no value) join after the last chunk, as one
+//    more chunk of one key with a zero value: m' = max(m, s), a = exp(m - m'), den = den * a + exp(s - m'),
+//    out = (acc * a) / den, each step fp32, rounded once.
 // 4. elementwise ops (RoPE, residual adds, activations): fp32, rounded as PyTorch's bf16 ops round.
 // 5. linear on a quantized weight under the integer-exact contract (`--weights auto`; 1 is `exact`):
 //    a. x's row is quantized by the row alone, per block of the part's `block` k (32, or 256 for the

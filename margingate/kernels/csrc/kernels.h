@@ -93,11 +93,20 @@ struct ExpertSet {
   int64_t n_gate_up, n_down, top_k;
   bool normalize;
   std::vector<QuantMatrix> gate_up_int8, down_int8;  // every matrix, where all are under the int8 contract
+  // gpt-oss (set_gpt_oss): biases (per expert; the router's), the top-k of the logits before their softmax, and
+  // the clamped SwiGLU (limit > 0) in place of SiLU
+  std::vector<at::Tensor> gate_up_bias, down_bias;
+  at::Tensor router_bias;
+  bool topk_first = false;
+  double alpha = 0.0, limit = 0.0;
   ExpertSet(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t n_gate_up, int64_t n_down,
             int64_t top_k, bool normalize);
+  void set_gpt_oss(std::vector<at::Tensor> gate_up_bias, std::vector<at::Tensor> down_bias, at::Tensor router_bias,
+                   double alpha, double limit);
   int64_t size() const { return int64_t(gate_up.size()); }
 };
-std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize);  // experts, fp32 weights
+// experts, fp32 weights; topk_first: gpt-oss's order (the top-k of the logits, then their softmax)
+std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize, bool topk_first);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const ExpertSet& set);
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set);  // route, then experts
 
@@ -132,12 +141,15 @@ void kv_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
                      const at::Tensor& table_of, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
-                     int64_t window);
+                     int64_t window, const at::Tensor& sinks);  // sinks: empty, or one fp32 logit per query head
 
 // rowwise.cpp
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+// mode: how the normed row meets the weight (layer_spec.py's norm_mode)
+constexpr int64_t kLlamaNorm = 0, kUnitOffsetNorm = 1, kFp32ProductNorm = 2;
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t mode);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
+at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit);  // gpt-oss's experts
 void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out);
 void add_into(at::Tensor& h, const at::Tensor& y);
 
@@ -155,6 +167,7 @@ struct StackSpec {
   // attention and MLP outputs normed before their adds (post_attention_layernorm then norms the attention's
   // output, pre_feedforward_layernorm the MLP's input); GELU-tanh instead of SiLU
   bool unit_offset_norms = false, qk_norm = false, sandwich_norms = false, gelu_tanh = false;
+  bool fp32_norm_product = false;  // the normed row times the weight in fp32, rounded once (gpt-oss)
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
   double eps = 0.0, scale = 0.0;
   std::vector<int64_t> windows;  // per layer: 0, or its sliding window (those layers rotate by the local tables)

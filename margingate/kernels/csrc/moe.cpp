@@ -46,14 +46,24 @@ Routes routes(const at::Tensor& chosen, int64_t num_experts) {
   return out;
 }
 
+// The gated activation of an expert's gate|up rows: SiLU, or gpt-oss's clamped SwiGLU (limit > 0).
+at::Tensor gate(const at::Tensor& y, const ExpertSet& set) {
+  return set.limit > 0 ? swiglu_clamped(y, set.alpha, set.limit) : silu_mul(y);
+}
+
+c10::optional<at::Tensor> bias_of(const std::vector<at::Tensor>& biases, int64_t e) {
+  return biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(biases[e]);
+}
+
 // Each chosen expert's rows through its MLP, a linear call at a time (packed bf16, or quantized under "exact").
 std::vector<at::Tensor> expert_by_expert(const at::Tensor& x, const Routes& rt, const ExpertSet& set) {
   const bool fp32 = x.scalar_type() == at::kFloat;
   std::vector<at::Tensor> z;
   for (size_t i = 0; i < rt.experts.size(); ++i) {
     const int64_t e = rt.experts[i];
-    const at::Tensor y = linear(x.index_select(0, rt.rows[i]), set.gate_up[e], set.n_gate_up, c10::nullopt, fp32);
-    z.push_back(linear(silu_mul(y), set.down[e], set.n_down, c10::nullopt, fp32));
+    const at::Tensor y = linear(x.index_select(0, rt.rows[i]), set.gate_up[e], set.n_gate_up,
+                                bias_of(set.gate_up_bias, e), fp32);
+    z.push_back(linear(gate(y, set), set.down[e], set.n_down, bias_of(set.down_bias, e), fp32));
   }
   return z;
 }
@@ -65,7 +75,7 @@ struct Job {
 };
 
 void run_matrices(const std::vector<const QuantMatrix*>& ms, const std::vector<Int8Input>& in,
-                  std::vector<at::Tensor>& out) {
+                  const std::vector<std::vector<float>>& biases, std::vector<at::Tensor>& out) {
   int64_t total = 0;
   for (const QuantMatrix* m : ms) total += m->panels;
   const int64_t per = std::max<int64_t>(1, total / (8 * at::get_num_threads()));
@@ -74,8 +84,8 @@ void run_matrices(const std::vector<const QuantMatrix*>& ms, const std::vector<I
     for (int64_t p0 = 0; p0 < ms[i]->panels; p0 += per) jobs.push_back({i, p0, std::min(ms[i]->panels, p0 + per)});
   const Int8Kernel kernel = int8_kernel(false);
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) int8_panels(in[jobs[j].i], *ms[jobs[j].i], {}, kernel, out[jobs[j].i], jobs[j].p0,
-                                                  jobs[j].p1);
+    for (int64_t j = j0; j < j1; ++j) int8_panels(in[jobs[j].i], *ms[jobs[j].i], biases[jobs[j].i], kernel,
+                                                  out[jobs[j].i], jobs[j].p0, jobs[j].p1);
   });
 }
 
@@ -87,16 +97,20 @@ std::vector<at::Tensor> grouped_int8(const at::Tensor& x, const Routes& rt, cons
   const Int8Input all = int8_input(x, int8_blocks(gate_up));  // a row quantizes alike for every expert
   std::vector<Int8Input> in;
   std::vector<at::Tensor> y, z;
+  std::vector<std::vector<float>> gate_up_bias, down_bias;  // per chosen expert, fp32 (empty: none)
   for (size_t i = 0; i < chosen; ++i) {
+    const int64_t e = rt.experts[i];
+    gate_up_bias.push_back(bias_fp32(bias_of(set.gate_up_bias, e), set.n_gate_up));
+    down_bias.push_back(bias_fp32(bias_of(set.down_bias, e), set.n_down));
     in.push_back(all.select(rt.rows[i]));
     y.push_back(at::empty({rt.rows[i].size(0), set.n_gate_up}, x.options()));
     z.push_back(at::empty({rt.rows[i].size(0), set.n_down}, x.options()));
   }
-  run_matrices(gate_up, in, y);
+  run_matrices(gate_up, in, gate_up_bias, y);
   at::parallel_for(0, static_cast<int64_t>(chosen), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(silu_mul(y[i]), int8_blocks({down[i]}));
+    for (int64_t i = i0; i < i1; ++i) in[i] = int8_input(gate(y[i], set), int8_blocks({down[i]}));
   });
-  run_matrices(down, in, z);
+  run_matrices(down, in, down_bias, z);
   return z;
 }
 
@@ -158,6 +172,20 @@ void route_row(const float* e, double sum, int64_t n, int64_t k, bool normalize,
   for (int64_t j = 0; j < k; ++j) experts[j] = order[j], weights[j] = normalize ? p[order[j]] / total : p[order[j]];
 }
 
+// gpt-oss's route of one row: a stable top-k of the logits themselves (ties to the lower expert, a NaN first),
+// then the softmax of the k kept: e_j = exp(l_j - l_top) with the contract's exp, their sum in rank order (fp32),
+// w_j = e_j / sum.
+void route_topk_first(const float* l, int64_t n, int64_t k, int64_t* experts, float* weights) {
+  std::vector<int64_t> order(n);
+  for (int64_t j = 0; j < n; ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::isnan(l[a]) ? !std::isnan(l[b]) : !std::isnan(l[b]) && l[a] > l[b];
+  });
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j) weights[j] = exp1(l[order[j]] - l[order[0]]), sum = sum + weights[j];
+  for (int64_t j = 0; j < k; ++j) experts[j] = order[j], weights[j] = weights[j] / sum;
+}
+
 }  // namespace
 
 ExpertSet::ExpertSet(std::vector<at::Tensor> gate_up_, std::vector<at::Tensor> down_, int64_t n_gate_up_,
@@ -175,11 +203,31 @@ ExpertSet::ExpertSet(std::vector<at::Tensor> gate_up_, std::vector<at::Tensor> d
   if (gate_up_int8.empty() || down_int8.empty()) gate_up_int8.clear(), down_int8.clear();
 }
 
-std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize) {
+void ExpertSet::set_gpt_oss(std::vector<at::Tensor> gate_up_bias_, std::vector<at::Tensor> down_bias_,
+                            at::Tensor router_bias_, double alpha_, double limit_) {
+  TORCH_CHECK(gate_up_bias_.size() == gate_up.size() && down_bias_.size() == down.size(),
+              "ExpertSet: one gate|up bias and one down bias per expert");
+  TORCH_CHECK(router_bias_.numel() == size(), "ExpertSet: one router bias per expert");
+  TORCH_CHECK(limit_ > 0, "ExpertSet: the SwiGLU's limit must be > 0");
+  for (size_t e = 0; e < gate_up.size(); ++e)
+    TORCH_CHECK(gate_up_bias_[e].numel() == n_gate_up && down_bias_[e].numel() == n_down, "ExpertSet: expert ", e,
+                "'s biases: ", n_gate_up, " and ", n_down, " values");
+  gate_up_bias = std::move(gate_up_bias_), down_bias = std::move(down_bias_), router_bias = router_bias_.contiguous();
+  alpha = alpha_, limit = limit_, topk_first = true;
+}
+
+std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool normalize, bool topk_first) {
   check_cpu(logits, "router logits");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "moe_route: logits [N, experts] fp32");
   const int64_t n = logits.size(0), e = logits.size(1);
   TORCH_CHECK(k >= 1 && k <= e, "moe_route: top-k ", k, " of ", e, " experts");
+  if (topk_first) {
+    at::Tensor experts = at::empty({n, k}, at::kLong), weights = at::empty({n, k}, at::kFloat);
+    for (int64_t r = 0; r < n; ++r)
+      route_topk_first(logits.data_ptr<float>() + r * e, e, k, experts.data_ptr<int64_t>() + r * k,
+                       weights.data_ptr<float>() + r * k);
+    return {experts, weights};
+  }
   const at::Tensor top = n ? std::get<0>(logits.max(1)).contiguous() : at::empty({0}, logits.options());
   const at::Tensor ex = exp_shifted(logits, top), sums = sum_exp_rows(logits);
   at::Tensor experts = at::empty({n, k}, at::kLong), weights = at::empty({n, k}, at::kFloat);
@@ -209,8 +257,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
 }
 
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set) {
-  const at::Tensor logits = linear(x, router, set.size(), c10::nullopt, x.scalar_type() == at::kFloat);
-  const std::vector<at::Tensor> r = moe_route(logits.to(at::kFloat).contiguous(), set.top_k, set.normalize);
+  const c10::optional<at::Tensor> bias = set.router_bias.defined() ? c10::optional<at::Tensor>(set.router_bias) : c10::nullopt;
+  const at::Tensor logits = linear(x, router, set.size(), bias, x.scalar_type() == at::kFloat);
+  const std::vector<at::Tensor> r = moe_route(logits.to(at::kFloat).contiguous(), set.top_k, set.normalize, set.topk_first);
   return moe_experts(x, r[0], r[1].to(x.scalar_type()), set);
 }
 

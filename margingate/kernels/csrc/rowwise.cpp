@@ -11,9 +11,11 @@ namespace mg {
 namespace {
 
 // rmsnorm as Hugging Face's Llama: h = x * rsqrt(mean(x^2) + eps) in fp32, cast to x's
-// dtype, times the weight. `unit_offset` (Gemma): h times (1 + weight) in fp32, cast once.
+// dtype, times the weight (mode kLlamaNorm). kUnitOffsetNorm (Gemma): h times (1 + weight) in fp32, cast once;
+// kFp32ProductNorm (gpt-oss): h times the weight in fp32, cast once.
 template <typename T>
-void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d, float eps, bool unit_offset) {
+void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d, float eps, int64_t mode) {
+  const bool unit_offset = mode == kUnitOffsetNorm;
   std::vector<float> xf(d + 8, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(x[r * d + i]);
@@ -24,11 +26,14 @@ void rmsnorm_rows(const T* x, const uint16_t* w, T* out, int64_t rows, int64_t d
     }
     const float inv = 1.0f / std::sqrt(hsum(a) / static_cast<float>(d) + eps);
     int64_t i = 0;
-    if (unit_offset) {  // vector and tail: the same two fp32 products, one rounding
+    if (mode != kLlamaNorm) {  // vector and tail: the same two fp32 products, one rounding
       const __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= d; i += 8)
-        store8(out + r * d + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(&xf[i]), iv), _mm256_add_ps(one, load8(w + i))));
-      for (; i < d; ++i) out[r * d + i] = static_cast<T>((xf[i] * inv) * (1.0f + bf16_value(w[i])));
+      for (; i + 8 <= d; i += 8) {
+        const __m256 wv = unit_offset ? _mm256_add_ps(one, load8(w + i)) : load8(w + i);
+        store8(out + r * d + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(&xf[i]), iv), wv));
+      }
+      for (; i < d; ++i)
+        out[r * d + i] = static_cast<T>((xf[i] * inv) * (unit_offset ? 1.0f + bf16_value(w[i]) : bf16_value(w[i])));
       continue;
     }
     if constexpr (std::is_same<T, bf16>::value) {  // the same roundings, 8 at a time
@@ -103,7 +108,8 @@ at::Tensor act_mul(const at::Tensor& gate_up) {
 }
 }  // namespace
 
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t mode) {
+  TORCH_CHECK(mode == kLlamaNorm || mode == kUnitOffsetNorm || mode == kFp32ProductNorm, "rmsnorm: mode 0, 1 or 2");
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rmsnorm: weight must be bf16");
@@ -112,14 +118,48 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bo
   at::Tensor out = at::empty_like(x);
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     if (x.scalar_type() == at::kFloat)
-      rmsnorm_rows(x.data_ptr<float>() + b * d, u16(weight), out.data_ptr<float>() + b * d, e - b, d, eps, unit_offset);
+      rmsnorm_rows(x.data_ptr<float>() + b * d, u16(weight), out.data_ptr<float>() + b * d, e - b, d, eps, mode);
     else
-      rmsnorm_rows(x.data_ptr<bf16>() + b * d, u16(weight), out.data_ptr<bf16>() + b * d, e - b, d, eps, unit_offset);
+      rmsnorm_rows(x.data_ptr<bf16>() + b * d, u16(weight), out.data_ptr<bf16>() + b * d, e - b, d, eps, mode);
   });
   return out;
 }
 
+// gpt-oss's experts' clamped SwiGLU, gate_up [N, 2I] (gate | up: the checkpoint's interleaved columns
+// split at load) -> [N, I]: g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * (g *
+// sigmoid(alpha * g)), sigmoid(z) = 1 / (1 + exp(-z)) with the contract's exp; each op rounded to T as
+// transformers' bf16 ops round (alpha * g, the sigmoid, g * it, u + 1, the product), one element at a time.
+template <typename T>
+void swiglu_clamped_rows(const T* gu, T* out, int64_t rows, int64_t inter, float alpha, float limit) {
+  constexpr bool kBf16 = std::is_same<T, bf16>::value;
+  const auto r = [](float v) { return kBf16 ? rnd(v) : v; };
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* gate = gu + row * 2 * inter;
+    const T* up = gate + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = std::min(static_cast<float>(gate[i]), limit);
+      const float u = std::max(std::min(static_cast<float>(up[i]), limit), -limit);
+      const float sig = r(1.0f / (1.0f + exp1(-r(alpha * g))));
+      out[row * inter + i] = static_cast<T>(r(u + 1.0f) * r(g * sig));
+    }
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) { return act_mul<silu8>(gate_up); }
+at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu_clamped: gate_up must be [N, 2I]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    if (gate_up.scalar_type() == at::kFloat)
+      swiglu_clamped_rows(gate_up.data_ptr<float>() + b * 2 * inter, out.data_ptr<float>() + b * inter, e - b, inter, a, l);
+    else
+      swiglu_clamped_rows(gate_up.data_ptr<bf16>() + b * 2 * inter, out.data_ptr<bf16>() + b * inter, e - b, inter, a, l);
+  });
+  return out;
+}
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul<gelu_tanh8>(gate_up); }
 
 

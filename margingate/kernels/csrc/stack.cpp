@@ -39,7 +39,8 @@ struct Phase {
 // An absent one (a bias, Gemma's norms on a Llama) is an empty tensor; qkv, o, gate_up and down
 // are packed (packing.py); an MoE layer has a router instead of gate_up and down, and its ExpertSet.
 struct WeightIndex {
-  int64_t per_layer, ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, q_norm, k_norm, pre_ffn, post_ffn, router;
+  int64_t per_layer, ln1, qkv, qkv_bias, o, o_bias, ln2, gate_up, down, q_norm, k_norm, pre_ffn, post_ffn, router,
+      sinks;
 };
 
 WeightIndex weight_index(const std::vector<std::string>& names) {
@@ -52,7 +53,7 @@ WeightIndex weight_index(const std::vector<std::string>& names) {
   return {int64_t(names.size()), find("input_layernorm"), find("qkv"), find("qkv_bias"), find("o_proj"),
           find("o_proj_bias"), find("post_attention_layernorm"), find("gate_up"), find("down_proj"),
           find("q_norm"), find("k_norm"), find("pre_feedforward_layernorm"), find("post_feedforward_layernorm"),
-          find("router")};
+          find("router"), find("sinks")};
 }
 
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
@@ -153,7 +154,8 @@ void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, c
   const int64_t n = h.size(0), d = kv.k.size(4);
   check_rows(h, {&cos, &sin, &cos_local, &sin_local}, d);
   const int64_t heads = spec.heads, kv_heads = spec.kv_heads, qs = heads * d, kvs = kv_heads * d;
-  const bool offset = spec.unit_offset_norms, sandwich = spec.sandwich_norms;
+  const int64_t offset = spec.unit_offset_norms ? kUnitOffsetNorm : spec.fp32_norm_product ? kFp32ProductNorm : kLlamaNorm;
+  const bool sandwich = spec.sandwich_norms;
   const at::Tensor lengths = positions.to(at::kLong) + 1, ps = lengths - 1;
   const BlockTables bt = block_tables(tables, table_of, lengths, kv.k.size(1), kv.k.size(3));
   const int64_t* pp = ps.data_ptr<int64_t>();
@@ -182,7 +184,7 @@ void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, c
       Phase p{3};
       const bool int8 = kv.k_scale.numel() > 0;
       attn = attention(q, kv.k[li], kv.v[li], int8 ? kv.k_scale[li] : kv.k_scale, int8 ? kv.v_scale[li] : kv.v_scale,
-                       tables, table_of, lengths, aligns, spec.scale, window);
+                       tables, table_of, lengths, aligns, spec.scale, window, W[ix.sinks]);
     }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[ix.o], h.size(1), maybe(W[ix.o_bias]), false); }
     if (sandwich) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], spec.eps, offset); }

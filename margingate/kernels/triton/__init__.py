@@ -146,10 +146,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor,
-              scale: float, window: int = 0) -> torch.Tensor:
+              scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Row r of q [N, H, D] attends over keys [0, lengths[r]) of its block table tables[table_of[r]] in one
     layer's paged cache `kv` (K, V [blocks, Hkv, B, D], scales: KVPool.layer; `window` > 0: only the last
-    `window` keys). GQA: query head h reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller
+    `window` keys; `sinks` [H]: gpt-oss's attention sinks, merged after the last chunk). GQA: query head h
+    reads KV head h // (H / Hkv). Returns [N, H, D] in q's dtype. The caller
     keeps the tables and lengths in range (checked under the interpreter; a CUDA check would cost a sync per
     layer)."""
     k = _kernels()
@@ -169,13 +170,16 @@ def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.
     qc, kc, vc = _operand(q, "q"), _operand(k_cache, "k_cache"), _operand(v_cache, "v_cache")
     tables = tables.contiguous()
     out = _output((n, h, d), q)
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"attention: one sink per query head ({h}); got {tuple(sinks.shape)}")
+    sk = _operand(sinks, "sinks") if sinks is not None else qc
     if n:
         k.attention.attention_kernel[(n, h)](
-            qc, kc, vc, out, tables, table_of.contiguous(), lengths.contiguous(), float(scale), int(window), d,
+            qc, kc, vc, out, tables, table_of.contiguous(), lengths.contiguous(), sk, float(scale), int(window), d,
             k_cache.shape[2], qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0),
             out.stride(1), tables.stride(0),
             GROUP=h // k_cache.shape[1], BLOCK_D=max(16, 1 << (d - 1).bit_length()), CHUNK=k.attention.CHUNK,
-            num_warps=k.attention.NUM_WARPS, **_LAUNCH)
+            HAS_SINKS=sinks is not None, num_warps=k.attention.NUM_WARPS, **_LAUNCH)
     return _finish(out, q.dtype)
 
 
@@ -191,9 +195,10 @@ def _check_rows(tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Ten
             raise ValueError(f"attention: row {r}'s block table leaves the pool's {num_blocks} blocks")
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Per-row RMSNorm over the last dim, as library.rmsnorm (Hugging Face): fp32 statistics; Llama:
-    weight * h cast to x's dtype; Gemma (`unit_offset`): h * (1 + weight) in fp32. Result in x's dtype."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:
+    """Per-row RMSNorm over the last dim, as library.rmsnorm (Hugging Face): fp32 statistics; Llama (mode 0):
+    weight * h cast to x's dtype; Gemma (1): h * (1 + weight) in fp32; gpt-oss (2): weight * h in fp32. Result in
+    x's dtype."""
     k = _kernels()
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -202,8 +207,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
     out = _output(x2.shape, x)
     if x2.shape[0]:
         k.rowwise.rmsnorm_kernel[(x2.shape[0],)](
-            x2, _operand(weight, "weight"), out, d, float(eps), UNIT_OFFSET=unit_offset,
-            ROUND_H=x.dtype == torch.bfloat16, BLOCK=k.rowwise.BLOCK, num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
+            x2, _operand(weight, "weight"), out, d, float(eps), UNIT_OFFSET=mode == 1,
+            ROUND_H=x.dtype == torch.bfloat16 and mode != 2, BLOCK=k.rowwise.BLOCK, num_warps=k.rowwise.NUM_WARPS,
+            **_LAUNCH)
     return _finish(out, x.dtype).reshape(x.shape)
 
 
@@ -228,6 +234,19 @@ def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         block = k.rowwise.BLOCK
         k.rowwise.act_mul_kernel[(gu.shape[0], _cdiv(inter, block))](
             gu, out, inter, GELU=gelu, ROUND_ACT=gate_up.dtype == torch.bfloat16, BLOCK=block,
+            num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
+    return _finish(out, gate_up.dtype).reshape(*gate_up.shape[:-1], inter)
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation for gate_up [..., 2I] (gate | up) -> [..., I], as library.swiglu_clamped."""
+    k = _kernels()
+    inter = gate_up.shape[-1] // 2
+    gu = _operand(gate_up.reshape(-1, 2 * inter), "gate_up")
+    out = _output((gu.shape[0], inter), gate_up)
+    if gu.shape[0] and inter:
+        k.rowwise.swiglu_clamped_kernel[(gu.shape[0], _cdiv(inter, k.rowwise.BLOCK))](
+            gu, out, inter, float(alpha), float(limit), ROUND=gate_up.dtype == torch.bfloat16, BLOCK=k.rowwise.BLOCK,
             num_warps=k.rowwise.NUM_WARPS, **_LAUNCH)
     return _finish(out, gate_up.dtype).reshape(*gate_up.shape[:-1], inter)
 

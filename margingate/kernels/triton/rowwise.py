@@ -82,6 +82,29 @@ def act_mul_kernel(gu_ptr, o_ptr, inter, GELU: tl.constexpr, ROUND_ACT: tl.const
 
 
 @triton.jit
+def swiglu_clamped_kernel(gu_ptr, o_ptr, inter, alpha, limit, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """gpt-oss's experts: out = (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g)), g = min(gate, limit),
+    for gate_up [rows, 2 * inter]; bf16 rows round each op (ROUND), as csrc/rowwise.cpp and transformers do."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.minimum(tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    z = alpha * g
+    if ROUND:
+        z = round_bf16(z)
+    sig = 1.0 / (1.0 + tl.exp(-z))
+    if ROUND:
+        sig = round_bf16(sig)
+    glu = g * sig
+    up1 = u + 1.0
+    if ROUND:
+        glu, up1 = round_bf16(glu), round_bf16(up1)
+    tl.store(o_ptr + row * inter + cols, (up1 * glu).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def log_softmax_kernel(x_ptr, o_ptr, V, BLOCK: tl.constexpr):
     """out = x - max - log(sum(exp(x - max))) of one fp32 row: max, then the per-lane sums of
     exp, then their one sum (the max is exact in any order; the sums follow the fixed walk)."""

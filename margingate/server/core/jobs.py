@@ -52,7 +52,7 @@ class Job:
     def outcome(self, whole: bool) -> Outcome:
         """An empty outcome for one choice, its answer read by the tool plan's parser; `whole`: not streamed."""
         parser = self.tools.parser(whole)
-        if self.reasoning is not None:
+        if self.reasoning is not None and not self.reasoning.harmony:  # harmony's parser reads its channels
             parser = ReasoningParser(self.reasoning, parser)
         return Outcome(parser, Answer(stripped=self.tools.mode != "none"))
 

@@ -190,7 +190,7 @@ async def build_job(state: ServerState, endpoint, params, id_prefix: str | None 
     speculative = speculative_config(state, params)
     encoded = await endpoint.prompts(state, params, plan)
     reasoning = await run_in_threadpool(endpoint.reasoning, state, encoded[0][0])
-    if structured is not None and reasoning is not None:  # the constraint holds the answer after its reasoning
+    if structured is not None and reasoning is not None and not reasoning.harmony:  # after its reasoning
         sampling = replace(sampling, structured=await run_in_threadpool(after_reasoning, state, structured, reasoning))
     rid = f"{id_prefix or endpoint.id_prefix}{uuid.uuid4().hex}"
     n, choices = params.choices_per_prompt, []

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...options.structured import StructuredOutput
-from ..parsers import tool_format
+from ..parsers import harmony, tool_format
 from ..parsers.answer import Answer, PlainParser
 from ..parsers.call_parser import CallParser
 from ..protocol.common import BadRequest
@@ -44,7 +44,10 @@ from ..protocol.formats import NamedToolChoice
 
 
 def template_format(chat_template: str | None) -> str | None:
-    """The tool format the model's chat template defines: "hermes", or None (ours is used)."""
+    """The tool format the model's chat template defines: "hermes", "harmony" (gpt-oss: harmony.py), or None
+    (ours is used)."""
+    if harmony.is_harmony(chat_template):
+        return "harmony"
     return "hermes" if chat_template and "tools" in chat_template and "<tool_call>" in chat_template else None
 
 
@@ -63,9 +66,12 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.function.name for t in self.offered}
 
-    def parser(self, whole: bool) -> CallParser | PlainParser:
-        """A choice's parser: its text as content (no tools), or content and calls (`call_parser.py`);
-        `whole`: the answer is read at once, not streamed."""
+    def parser(self, whole: bool) -> CallParser | PlainParser | harmony.HarmonyParser:
+        """A choice's parser: its text as content (no tools), or content and calls (`call_parser.py`); a harmony
+        template's (gpt-oss) reads channels, not marks in the text (`harmony.py`); `whole`: the answer is read
+        at once, not streamed."""
+        if self.template_format == "harmony":
+            return harmony.HarmonyParser(self.names, self.max_calls if self.names else 0)
         return PlainParser() if self.mode == "none" else CallParser(self.names, self.max_calls, whole)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -118,6 +124,10 @@ def constraint(tool_mode: str, offered: tuple, max_calls: int, template_format_n
     where the template has no tool format of its own (an answer that opens a call is held to ours)."""
     if tool_mode == "none" or (tool_mode == "auto" and template_format_name is not None):
         return None
+    if template_format_name == "harmony":
+        marks = (harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE)
+        special = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
+        return StructuredOutput(grammar=harmony.grammar(offered, special))
     marks = (tool_format.OPEN, tool_format.CLOSE)
     tokens = frozenset(m for m in marks if grammars is not None and grammars.is_special(m))
     return StructuredOutput(grammar=tool_format.grammar(offered, max_calls, text=tool_mode == "auto", tokens=tokens))

@@ -14,15 +14,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .call_parser import Piece, Trim, held_prefix
+from .harmony import is_harmony
 
 # a template family's reasoning marks: (opening, closing)
 FAMILIES = {"think": ("<think>", "</think>")}
 
 
 def template_family(chat_template: str | None) -> str | None:
-    """The reasoning family a chat template writes (None: its answers have no reasoning)."""
+    """The reasoning family a chat template writes (None: its answers have no reasoning); "harmony": gpt-oss's
+    analysis channel (harmony.py reads the whole answer)."""
     if not chat_template:
         return None
+    if is_harmony(chat_template):
+        return "harmony"
     return next((name for name, (_, closing) in FAMILIES.items() if closing in chat_template), None)
 
 
@@ -32,12 +36,15 @@ class Reasoning:
     opening: str
     closing: str
     inside: bool
+    harmony: bool = False  # gpt-oss's channels: the answer is read by harmony.HarmonyParser
 
     @classmethod
     def of(cls, family: str | None, prompt_tail: str) -> Reasoning | None:
         """The answer's reasoning after a prompt ending in `prompt_tail` (None: no reasoning to read)."""
         if family is None:
             return None
+        if family == "harmony":
+            return cls("", "", inside=False, harmony=True)
         opening, closing = FAMILIES[family]
         opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
         if opened > closed:
