@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", help="a Python with llama-cpp-python (make llamacpp-venv)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="results/load-time")
+    ap.add_argument("--name", default="load_time", help="the files' stem: NAME.json and NAME.md")
     args = ap.parse_args()
     from margingate.environment import cpu_info
 
@@ -156,8 +157,8 @@ def main() -> None:
     report["uptime_after"] = uptime()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "load_time.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "load_time.md").write_text(table(report))
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{args.name}.md").write_text(table(report))
     print(table(report))
 
 

@@ -33,8 +33,8 @@ def markdown(report: dict) -> str:
     lines = [f"# B = 1 decode against the read floor\n\n{report['cpu_line']}. Read bandwidth "
              f"**{m['read_gb_s']:.1f} GB/s** (a {BANDWIDTH_BYTES >> 30} GiB `torch.sum` at {m['threads']} threads, "
              f"best of 5). Floor = (weights as stored + K/V) / bandwidth; fraction = floor / step. Profile: ms per "
-             "step by kind (cProfile and the compiled stack's phase timers, 10 steps; `python, rest` is an upper "
-             f"bound, and the profiled kinds add up to a little more than the unprofiled step).\n\nuptime before: "
+             "step by kind (cProfile and the compiled stack's phase timers, 10 steps after the 10 timed ones; `python, "
+             "rest` is an upper bound; on a busy machine the two sets of steps differ).\n\nuptime before: "
              f"`{report['uptime_before']}`; after: `{report['uptime_after']}`.\n",
              "| model | MiB read / step | floor ms | step ms | fraction | " + " | ".join(KINDS) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(KINDS)]
