@@ -193,3 +193,4 @@ def test_a_decoder_pools_as_its_files_say_else_its_last_token(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     assert decoder_pooling(tmp_path, None) == "mean"
+
