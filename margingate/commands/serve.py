@@ -9,6 +9,7 @@ import sys
 
 from .. import cli_args
 from ..distributed.options import add_ray_args
+from ..embeddings import is_embedding_model
 from ..options import deterministic_policies
 from ..server.config import ServerConfig
 from .embed import add_dtype_arg, embedder_for
@@ -86,6 +87,10 @@ def cmd_serve(args) -> None:
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
 
+        if args.embedding_model or is_embedding_model(args.model):
+            raise ValueError("embedding models are not served with --replicas / --ray yet: serve them on one "
+                             "process (`margingate serve --embedding-model ...`)")
+
         return serve_replicas(args, config)
     app = _app(args, config)
     # uvicorn re-raises the signal it shut down on; after a graceful drain, exit 0 instead.
@@ -98,7 +103,6 @@ def cmd_serve(args) -> None:
 def _app(args, config: ServerConfig):
     """The chat app with the embedding models beside it (the chat model's own name embeds too), or, where
     --model names an embedding model, the app that serves embeddings alone (server/embeddings.py)."""
-    from ..embeddings import is_embedding_model
     from ..server.app import create_app
     from ..server.embeddings import EmbeddingModels, create_embedding_app
     from ..serving_context import served_name
