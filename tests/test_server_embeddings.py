@@ -79,6 +79,7 @@ def test_the_embedding_only_app_lists_its_model_and_refuses_generation_by_name(c
     assert client.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer no"}).status_code == 401
 
 
+@pytest.mark.slow  # LangChain's import alone takes seconds
 def test_the_openai_sdk_and_langchain_read_our_vectors(client, tiny):
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client)

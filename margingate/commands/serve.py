@@ -9,6 +9,7 @@ import sys
 
 from .. import cli_args
 from ..distributed.options import add_ray_args
+from ..embeddings import is_embedding_model
 from ..options import deterministic_policies
 from ..server.core.config import ServerConfig
 from .embed import add_dtype_arg, embedder_for
@@ -84,6 +85,10 @@ def cmd_serve(args) -> None:
                           heap_trim_idle_s=args.heap_trim_idle, served_model_names=tuple(args.served_model_name))
     if args.replicas or args.ray:
         from ..distributed.serve import serve_replicas
+
+        if args.embedding_model or is_embedding_model(args.model):
+            raise ValueError("embedding models are not served with --replicas / --ray yet: serve them on one "
+                             "process (`margingate serve --embedding-model ...`)")
 
         return serve_replicas(args, config)
     app = _app(args, config)
