@@ -48,8 +48,12 @@ def main() -> None:
             table[t] = row
     finally:
         K.use_path(before)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    info = dict(ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in ln)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = set(info.get("flags", "").split())
+    name = info.get("model name", platform.processor())
+    cpu = (f"{name}, family {info.get('cpu family')} model {info.get('model')}; "
+           + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512_vnni", "avx512_bf16", "amx_int8")))
     out = {"cpu": cpu, "paths": {p["path"]: p["status"] for p in proofs}, "digests": table}
     (HERE / "digests.json").write_text(json.dumps(out, indent=1) + "\n")
     cols = ["scalar reference", *usable]
