@@ -45,7 +45,7 @@ def numpy_linear(x: np.ndarray, c: QuantCodes) -> np.ndarray:
     q, scale = numpy_quantize(x, c.block)
     m, (n, k) = x.shape[0], c.codes.shape
     groups, per = k // c.group, c.block // c.group
-    w = c.codes.astype(np.int64) - c.zero
+    w = c.values().astype(np.int64)
     isum = np.einsum("mgj,ngj->mng", q.reshape(m, groups, c.group).astype(np.int64), w.reshape(n, groups, c.group))
     xsum = q.reshape(m, groups, c.group).sum(-1).astype(np.int64)[:, None, :]
     s = np.ones((n, groups), np.int64) if c.s is None else c.s.astype(np.int64)
@@ -127,17 +127,18 @@ def test_each_row_has_the_same_bits_at_every_row_count_and_thread_count(type_nam
 
 
 def test_codes_and_scales_at_their_extremes_do_not_saturate(int8_path):
-    """Every code at its largest (4, 5, 6 bits) or at -128 (8 bits), scales of -128, and x at +-127:
-    the integer sums must come out exact (numpy's int64 against our int16/int32 steps)."""
+    """Every code at its largest (2 to 6 bits), at -128 (8 bits) or at the table's -127, scales of -128,
+    and x at +-127: the integer sums must come out exact (numpy's int64 against our int16/int32 steps)."""
     n, k = 16, 256
-    for bits, zero, group, block in ((4, 0, 32, 256), (5, 0, 32, 256), (6, 32, 16, 256), (8, 0, 32, 32),
-                                     (6, 0, 16, 256)):
-        top = -128 if bits == 8 else (1 << bits) - 1
+    for bits, zero, group, block, table in ((4, 0, 32, 256, None), (5, 0, 32, 256, None), (6, 32, 16, 256, None),
+                                            (8, 0, 32, 32, None), (6, 0, 16, 256, None), (2, 0, 16, 256, None),
+                                            (3, 0, 16, 256, None), (4, 0, 32, 256, "iq4nl"), (4, 0, 32, 32, "iq4nl")):
+        top = -128 if bits == 8 else 0 if table else (1 << bits) - 1
         codes = np.full((n, k), top, np.int8 if bits == 8 else np.uint8)
         has_s = group != block
-        s = np.full((n, k // group), -128 if bits == 6 else 63, np.int8) if has_s else None
+        s = np.full((n, k // group), -128 if bits in (2, 3, 4, 6) else 63, np.int8) if has_s else None
         d = np.full((n, k // block), 0.5, np.float16)
-        c = QuantCodes(codes, d, s, None, None, bits, zero, group, block, f"extreme-{bits}")
+        c = QuantCodes(codes, d, s, None, None, bits, zero, group, block, f"extreme-{bits}", table)
         x = torch.full((19, k), 1.0, dtype=torch.bfloat16)  # 16 rows of a tile and 3 of a tail
         x[1::3] = -1.0
         x[2::3, ::2] = -1.0

@@ -21,7 +21,8 @@ from margingate.models.gguf_quant import TYPES, QuantFormatError, quant_codes
 
 # Where each type's fp16 fields lie in its block: random bytes there could be NaN or infinity.
 FP16_FIELDS = {"Q8_0": (0, 2), "Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4),
-               "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+               "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q2_K": (80, 84), "Q3_K": (108, 110),
+               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
 
 
 def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -54,16 +55,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("type_name", sorted(TYPES))
 def test_every_type_dequantizes_to_the_loaders_bf16_bit_for_bit(type_name):
-    """Python's codes and scales, the C++ reference (whole matrix and rows) and the loader agree."""
+    """Python's codes and scales, the C++ reference (whole matrix and rows) under each contract that has a
+    layout for the type, and the loader agree. The types the bf16 contract has no layout for are refused
+    there by name (the loader dequantizes them under `--weights exact`)."""
     data = random_tensor(type_name, 48, 512, seed=len(type_name))
     want = loader_bf16(data, type_name)
     codes = quant_codes(data, type_name)
     assert codes.format == type_name.lower()
     assert same_bits(codes.bf16(), want)
-    w = quant_weight([codes])
-    assert same_bits(w.unpack(), want)
     rows = torch.tensor([0, 17, 47, 17])
-    assert same_bits(w.rows(rows), want[rows])
+    for contract in ("exact", "int8") if codes.exact_layout else ("int8",):
+        w = quant_weight([codes], contract)
+        assert same_bits(w.unpack(), want), contract
+        assert same_bits(w.rows(rows), want[rows]), contract
+    if not codes.exact_layout:
+        with pytest.raises(ValueError, match=f"{type_name.lower()} has no layout under the exact contract"):
+            quant_weight([codes], "exact")
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 37, 200])

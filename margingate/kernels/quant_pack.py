@@ -11,7 +11,7 @@ header of int64 words, then its parts, each a run of 16-row panels in one format
 hold two GGUF types):
 
     header: magic "MGQ2", n, k, parts; per part: panels, group, block, bits, zero, then where its
-    codes, high, d, s, d_off and s_off lie (-1: none), 0.
+    codes, high, d, s, d_off and s_off lie (-1: none), then its code table (TABLES; 0: none).
     codes: 4 to 6 bits: the low 4 bits of a pair in a byte [panels, k / 2, 16] (k even in the low
     nibble); 8 bits: signed [panels, k / 2, 16, 2].
     high (5 and 6 bits): the bits above 4 [panels, k / 2 / R, 16, 2], R = 8 / (bits - 4) pair rows
@@ -22,8 +22,12 @@ A matrix under the integer-exact contract (`contract="int8"`, csrc/contract.h, 5
 same header and scales; only its codes are ordered for integer dot products, by quads of 4 k. Per
 panel and quad, code i = 4 * column + (k % 4) for columns 0..15 (i in 0..63):
     codes: 4 to 6 bits: 32 bytes, byte i % 32's nibble i // 32 (low, then high) holds code i's low
-    4 bits; 8 bits: 64 signed bytes, byte i.
-    high: 5 bits: 8 bytes, bit i // 8 of byte i % 8; 6 bits: 16 bytes, bits 2 (i // 16) of byte i % 16.
+    4 bits; 2 and 3 bits: 16 bytes, bits 2 (i // 16) of byte i % 16 hold its low 2 bits; 8 bits: 64
+    signed bytes, byte i.
+    high: 3 and 5 bits: 8 bytes, bit i // 8 of byte i % 8; 6 bits: 16 bytes, bits 2 (i // 16) of byte i % 16.
+Only this contract has 2- and 3-bit codes (Q2_K, Q3_K) and 4-bit codes that index a table of int8
+values (IQ4_NL, IQ4_XS: the part's last header word names the table, TABLES); the bf16 contract
+dequantizes those types at load.
 """
 from __future__ import annotations
 
@@ -38,13 +42,17 @@ from .packing import PANEL, PackedWeight
 MAGIC, ALIGN, PART_WORDS = 0x3251474D, 64, 12
 MAGIC_INT8 = 0x3849474D  # "MGI8"
 CONTRACTS = ("exact", "int8")  # bf16 bits of the dequantized weight | the integer-exact contract
+# Code tables by name: (the header's id, the 16 int8 values a 4-bit code indexes). csrc/quant_codes.h
+# holds the same values under the same id.
+TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8))}
 
 
 @dataclass(frozen=True)
 class QuantCodes:
     """One matrix (or a run of its rows) as codes and the file's scales: element (r, j) is
-    bf16(scale[r, j] * (codes[r, j] - zero) [+ offset[r, j]]), scale = d[r, j // block] * s[r, j // group]
-    in fp32 (s None: 1), the offset from d_off and s_off likewise (d_off None: no offset)."""
+    bf16(scale[r, j] * (value[r, j] - zero) [+ offset[r, j]]), scale = d[r, j // block] * s[r, j // group]
+    in fp32 (s None: 1), the offset from d_off and s_off likewise (d_off None: no offset); a code's value
+    is the code, or the entry of `table` it indexes."""
     codes: np.ndarray           # [n, k]: 4- to 6-bit values (uint8), or 8-bit signed values (int8)
     d: np.ndarray               # [n, k // block] fp16
     s: np.ndarray | None        # [n, k // group] int8
@@ -55,6 +63,17 @@ class QuantCodes:
     group: int
     block: int
     format: str                 # the GGUF type it came from ("q4_k"), for reports
+    table: str | None = None    # 4-bit codes index TABLES[table]'s values
+
+    @property
+    def exact_layout(self) -> bool:
+        """Whether the bf16 contract has a layout for these codes (else only the integer-exact one)."""
+        return self.bits in (4, 5, 6, 8) and self.table is None
+
+    def values(self) -> np.ndarray:
+        """[n, k] int32: each code's integer value (through the table where there is one), less the zero point."""
+        v = TABLES[self.table][1][self.codes] if self.table else self.codes
+        return v.astype(np.int32) - self.zero
 
     def scales(self, d: np.ndarray, s: np.ndarray | None) -> np.ndarray:
         """[n, k // group] fp32: d * s, the product gguf-py forms (exact)."""
@@ -64,7 +83,7 @@ class QuantCodes:
     def bf16(self) -> torch.Tensor:
         """The plain [n, k] bf16 matrix: the same fp32 operations, then torch's rounding."""
         n, k = self.codes.shape
-        q = (self.codes.astype(np.int32) - self.zero).astype(np.float32).reshape(n, k // self.group, self.group)
+        q = self.values().astype(np.float32).reshape(n, k // self.group, self.group)
         v = self.scales(self.d, self.s)[..., None] * q
         if self.d_off is not None:
             v = v + self.scales(self.d_off, self.s_off)[..., None]
@@ -110,6 +129,9 @@ def quant_weight(parts: list[QuantCodes], contract: str = "exact") -> QuantWeigh
         raise ValueError("quantized rows that do not fill whole panels, or of different widths")
     if contract not in CONTRACTS:
         raise ValueError(f"quantized contract must be one of {', '.join(CONTRACTS)}; got {contract!r}")
+    if contract == "exact" and not all(p.exact_layout for p in parts):
+        types = ", ".join(sorted({p.format for p in parts if not p.exact_layout}))
+        raise ValueError(f"{types} has no layout under the exact contract: dequantize it, or use the int8 one")
     n, k = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
     arrays = [_int8_fields(p) if contract == "int8" else _panels(p) for p in parts]
     at = _up(8 * (4 + PART_WORDS * len(parts)))
@@ -119,7 +141,7 @@ def quant_weight(parts: list[QuantCodes], contract: str = "exact") -> QuantWeigh
         for a in fields:
             places.append(at if a is not None else -1)
             at += _up(a.nbytes) if a is not None else 0
-        head += [fields[0].shape[0], p.group, p.block, p.bits, p.zero, *places, 0]
+        head += [fields[0].shape[0], p.group, p.block, p.bits, p.zero, *places, TABLES[p.table][0] if p.table else 0]
     blob = np.zeros(at, np.uint8)
     blob[:8 * len(head)] = np.array(head, np.int64).view(np.uint8)
     for i, fields in enumerate(arrays):
@@ -171,17 +193,24 @@ def _int8_fields(p: QuantCodes) -> list[np.ndarray | None]:
 
 def _quads(bits: int, c: np.ndarray) -> np.ndarray:
     """The int8 contract's code bytes from the codes by quad [panels, k / 4, 64] (code i = 4 * column + k % 4):
-    nibbles of codes i and 32 + i, or signed bytes."""
+    nibbles of codes i and 32 + i, 2-bit fields of codes i, 16 + i, 32 + i and 48 + i, or signed bytes."""
     if bits == 8:
         return np.ascontiguousarray(c, dtype=np.int8)
+    if bits <= 3:
+        return _fields(c & 3, 2, 16)
     return ((c[..., :32] & 15) | ((c[..., 32:] & 15) << 4)).astype(np.uint8)
 
 
 def _quads_high(bits: int, c: np.ndarray) -> np.ndarray | None:
-    """The int8 contract's high bits (module docstring) from the codes by quad; None below 5 bits."""
-    if bits not in (5, 6):
+    """The int8 contract's high bits (module docstring) from the codes by quad; None for 2, 4 and 8 bits."""
+    if bits not in (3, 5, 6):
         return None
-    width, lanes = bits - 4, 8 if bits == 5 else 16
-    fields = (c >> 4).reshape(*c.shape[:2], 64 // lanes, lanes)  # field f of byte b: code f * lanes + b
-    shifts = (width * np.arange(64 // lanes, dtype=np.uint8)).reshape(1, 1, -1, 1)
-    return (fields << shifts).sum(axis=2, dtype=np.uint8)
+    low = 2 if bits == 3 else 4
+    return _fields(c >> low, bits - low, 8 if bits - low == 1 else 16)
+
+
+def _fields(v: np.ndarray, width: int, lanes: int) -> np.ndarray:
+    """[..., 64] values of `width` bits into [..., lanes] bytes: field f of byte b holds value f * lanes + b."""
+    fields = v.reshape(*v.shape[:-1], 64 // lanes, lanes).astype(np.uint8)
+    shifts = (width * np.arange(64 // lanes, dtype=np.uint8)).reshape(-1, 1)
+    return (fields << shifts).sum(axis=-2, dtype=np.uint8)

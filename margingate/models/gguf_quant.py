@@ -1,11 +1,14 @@
 """GGUF tensors kept quantized: each supported type's blocks as codes and the file's own scales.
 
-For every type below, `bf16(scale * (q - zero) [+ offset])` computes exactly what gguf-py's
+For every type below, `bf16(scale * (value - zero) [+ offset])` computes exactly what gguf-py's
 dequantizer computes in fp32 (the same operations on the same values, in the same order: the K-quants'
 scale is the fp32 product d * sc, as gguf-py forms it), so the value is the bf16 the loader stores
-(tests/test_quantized.py checks every type). The scales stay as the file stores them (fp16 d, 6- or
-8-bit sc), so a matrix kept quantized takes about the file's bytes. Other types are dequantized at
-load, as before.
+(tests/test_quantized.py checks every type). A code's value is the code, or for IQ4_NL and IQ4_XS the
+entry of llama.cpp's 16-value table kvalues_iq4nl it indexes. The scales stay as the file stores them
+(fp16 d; 4-, 6- or 8-bit sc widened to int8), so a matrix kept quantized takes about the file's bytes.
+Q2_K, Q3_K, IQ4_NL and IQ4_XS have a layout under the integer-exact contract only (quant_pack); under
+`--weights exact` they are dequantized at load. Other types (the IQ1, IQ2 and IQ3 grids) are dequantized at
+load under every contract.
 """
 from __future__ import annotations
 
@@ -81,6 +84,40 @@ def _q5_k(b):
     return q, *_k_scales(b), 5, 0, 32, QK_K
 
 
+def _q2_k(b):
+    """d * sc * q - dmin * m per 16: 2-bit codes, 4-bit sc and m (the offset -dmin * m, as Q4_K's)."""
+    nb = b.shape[0]
+    q = (b[:, 16:80].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    sc = b[:, :16]
+    return q.reshape(nb, -1), _f16(b[:, 80:82]), (sc & 0x0F).astype(np.int8), -_f16(b[:, 82:84]), \
+        (sc >> 4).astype(np.int8), 2, 0, 16, QK_K
+
+
+def _q3_k(b):
+    """d * (sc - 32) * (q - 4) per 16: 3-bit codes (2 low bits, the third in hmask), 6-bit sc."""
+    nb = b.shape[0]
+    low = (b[:, 32:96].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    high = (b[:, :32].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = low.reshape(nb, -1) | (high.reshape(nb, -1) << np.uint8(2))
+    ls = b[:, 96:104].reshape(nb, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    hs = b[:, 104:108].reshape(nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    sc = (ls.reshape(nb, 16) & 0x0F) | ((hs.reshape(nb, 16) & 0x03) << 4)
+    return q, _f16(b[:, 108:110]), sc.astype(np.int8) - np.int8(32), None, None, 3, 4, 16, QK_K
+
+
+def _iq4_nl(b):
+    return _nibbles(b[:, 2:], 16), _f16(b[:, :2]), None, None, None, 4, 0, 32, 32
+
+
+def _iq4_xs(b):
+    """d * (ls - 32) * kvalues_iq4nl[q] per 32: ls 4 low bits in scales_l, 2 high in scales_h."""
+    nb = b.shape[0]
+    lo = (b[:, 4:8].reshape(nb, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)).reshape(nb, 8) & 0x0F
+    hi = (np.ascontiguousarray(b[:, 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    ls = (lo | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    return _nibbles(b[:, 8:], 16), _f16(b[:, :2]), ls, None, None, 4, 0, 32, QK_K
+
+
 def _q6_k(b):
     nb = b.shape[0]
     ql = _nibbles(b[:, :QK_K // 2], 64).reshape(nb, -1, 32)
@@ -115,7 +152,10 @@ def _mxfp4(b):
 # GGUF type name -> (block size, bytes per block, the extraction)
 TYPES = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
          "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
-         "MXFP4": (32, 17, _mxfp4)}
+         "MXFP4": (32, 17, _mxfp4),
+         "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "IQ4_NL": (32, 18, _iq4_nl),
+         "IQ4_XS": (256, 136, _iq4_xs)}
+TABLED = {"IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl"}  # types whose codes index a table (quant_pack.TABLES)
 
 
 class QuantFormatError(ValueError):
@@ -124,7 +164,7 @@ class QuantFormatError(ValueError):
 
 def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> QuantCodes | None:
     """A GGUF tensor's rows ([n, row bytes] uint8, as gguf's reader maps them) as codes and scales;
-    None for a type kept in bf16 (F32, F16, BF16, Q2_K, Q3_K, IQ*...)."""
+    None for a type kept in bf16 (F32, F16, BF16, the IQ1, IQ2 and IQ3 types)."""
     if type_name not in TYPES:
         return None
     size, nbytes, extract = TYPES[type_name]
@@ -137,7 +177,8 @@ def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> Quant
 
     def rows(a):
         return None if a is None else np.ascontiguousarray(a).reshape(n, -1)
-    return QuantCodes(rows(q), rows(d), rows(s), rows(d_off), rows(s_off), bits, zero, group, block, type_name.lower())
+    return QuantCodes(rows(q), rows(d), rows(s), rows(d_off), rows(s_off), bits, zero, group, block, type_name.lower(),
+                      TABLED.get(type_name))
 
 
 class GGUFMatrix:

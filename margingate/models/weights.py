@@ -247,7 +247,9 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         parts = [state[n] for n in names[key]]
         if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
             codes = [p.codes() if isinstance(p, BlockSource) else None for p in parts]
-            if contract and _is_matrix(key) and all(codes) and panelable(codes):
+            # Q2_K, Q3_K and the IQ4 types have a layout under the int8 contract alone (quant_pack)
+            laid_out = all(codes) and (contract == "int8" or all(c.exact_layout for c in codes))
+            if contract and _is_matrix(key) and laid_out and panelable(codes):
                 return quant_weight(codes, contract)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)

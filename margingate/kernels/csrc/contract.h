@@ -34,13 +34,14 @@
 // 4. elementwise ops (RoPE, residual adds, activations): fp32, rounded as PyTorch's bf16 ops round.
 // 5. linear on a quantized weight under the integer-exact contract (`--weights auto`; 1 is `exact`):
 //    a. x's row is quantized by the row alone, per block of the part's `block` k (32, or 256 for the
-//       K-quants): each value v (bf16 or fp32) with |v| < FLT_MIN counts as 0; amax = max |v|; a block
+//       K-quants and IQ4_XS): each value v (bf16 or fp32) with |v| < FLT_MIN counts as 0; amax = max |v|; a block
 //       holding an infinity or a NaN gets q = 0 and scale NaN (its outputs are NaN); amax = 0 gives
 //       q = 0, scale 0; else r = 127 / amax (an IEEE division, no reciprocal estimate), q = clamp(
 //       rne(v * r), -127, 127) (v * r rounded to fp32 first; rne set in the instruction, not by MXCSR),
 //       scale = amax / 127 (below FLT_MIN: 0). sum16: each 16 q's sum.
 //    b. integer sums are exact: per group g of the part (16 or 32 k) isum_g = sum (code - zero) * q,
-//       then per block S = sum_g s_g * isum_g and M = sum_g s_off_g * xsum_g (s absent: 1; xsum_g the
+//       a code being its value (2 to 8 bits) or the entry of the part's table it indexes (IQ4_NL,
+//       IQ4_XS: kvalues_iq4nl, quant_codes.h), then per block S = sum_g s_g * isum_g and M = sum_g s_off_g * xsum_g (s absent: 1; xsum_g the
 //       group's q sum), in int32; their order is free. No intermediate saturates (int8_layout.h bounds).
 //    c. one float epilogue per (row, column), blocks ascending, no FMA, each step rounded (fp32, RNE,
 //       FTZ | DAZ): acc = +0; per block: acc = acc + float(S) * (scale * d); where the format has an

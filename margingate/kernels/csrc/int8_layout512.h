@@ -8,10 +8,22 @@
 namespace mg {
 namespace {
 
-// One quad's 64 codes as bytes, byte 4 * l + k % 4 for column l (int8_layout.h's order): AMX's VNNI row.
+// One quad's 64 codes as bytes, byte 4 * l + k % 4 for column l (int8_layout.h's order; a table's
+// indices, not yet looked up): AMX's VNNI row.
 template <int Bits>
 inline __m512i quad_codes512(const uint8_t* c, const uint8_t* h) {
   if constexpr (Bits == 8) return _mm512_loadu_si512(c);
+  if constexpr (Bits <= 3) {  // code i's low two: bits 2 (i / 16) of byte i % 16, so 128-bit lane L by 2L
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0)), _mm512_set1_epi8(3));
+    if constexpr (Bits == 3) {  // the third: bit i / 8 of byte i % 8, so qword L rotates bit L of each byte to 2
+      int64_t w;
+      std::memcpy(&w, h, 8);
+      const __m512i H = _mm512_rolv_epi64(_mm512_set1_epi64(w), _mm512_set_epi64(59, 60, 61, 62, 63, 0, 1, 2));
+      codes = _mm512_ternarylogic_epi64(codes, H, _mm512_set1_epi8(4), 0xF8);  // codes | (H & 4)
+    }
+    return codes;
+  }
   // Codes 0-31 are the low nibbles of the 32 bytes, 32-63 the high ones: the upper half shifted by 4.
   const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
   __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
@@ -27,6 +39,13 @@ inline __m512i quad_codes512(const uint8_t* c, const uint8_t* h) {
     codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(H, _mm512_set1_epi8(3)), 4));
   }
   return codes;
+}
+
+// The part's table plus 128 (unsigned bytes, 1 to 241 for kvalues_iq4nl) in every 128-bit lane, for VPSHUFB
+// (none: unused): the VNNI path's codes are then unsigned, and 128 joins the zero point.
+inline __m512i table512_u8(const QuantPart& q) {
+  const __m128i t = q.table ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.table)) : _mm_setzero_si128();
+  return _mm512_broadcast_i32x4(_mm_xor_si128(t, _mm_set1_epi8(-128)));
 }
 
 struct GroupScales {

@@ -44,10 +44,11 @@ bool amx_granted();                       // asks the OS for the AMX tile state 
 // to nearest even. codes: the low 4 bits of a pair in a byte ([panel][kp / 2][16], k even in the low
 // nibble), or 8-bit signed ([panel][kp / 2][16][2]); high (5 and 6 bits): the bits above 4,
 // [panel][kp / 2 / R][16][2] with R = 8 / (bits - 4) pair rows a byte; d, d_off: [panel][kp / block][16]
-// fp16 bits; s, s_off: [panel][kp / group][16].
+// fp16 bits; s, s_off: [panel][kp / group][16]. The integer-exact contract's layout (int8_layout.h) orders
+// the codes by quads of 4 k instead and adds 2- and 3-bit codes and codes that index a table.
 struct QuantPart {
   const uint8_t* codes;
-  const uint8_t* high;    // null below 5 bits
+  const uint8_t* high;    // null for 2, 4 and 8 bits
   const uint16_t* d;
   const int8_t* s;        // null: 1 (block == group)
   const uint16_t* d_off;  // null: no offset
@@ -55,6 +56,7 @@ struct QuantPart {
   int64_t panels, group, block;
   int bits, zero;
   bool int8 = false;      // the integer-exact contract's code order (contract.h, 5), else the bf16 one's
+  const int8_t* table = nullptr;  // 4-bit codes index these 16 values (quant_codes.h), else a code is its value
 };
 
 // Rows of x under the integer-exact contract (contract.h, 5), quantized by linear_int8.cpp for one

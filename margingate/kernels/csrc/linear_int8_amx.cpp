@@ -87,8 +87,9 @@ void linear_int8_amx(const Int8Rows& x, const QuantPart& q, int64_t panel, float
   if (whole) {
     configure(int(q.group));  // tile state is per thread
     by_layout(q, [&](auto f, auto group) {
-      for (int64_t r0 = 0; r0 < whole; r0 += kTileRows)
-        tile16<decltype(f)::kBits, decltype(f)::kOffset, decltype(group)::value>(x, r0, q, panel, acc, ldacc);
+      if constexpr (decltype(f)::kBits == 8)  // whole > 0 only there: no tile code for the other layouts
+        for (int64_t r0 = 0; r0 < whole; r0 += kTileRows)
+          tile16<8, decltype(f)::kOffset, decltype(group)::value>(x, r0, q, panel, acc, ldacc);
     });
     _tile_release();
   }

@@ -12,17 +12,17 @@ namespace {
 constexpr int kRows = 4;  // rows per tile: 8 int32 accumulators, the codes, a broadcast and constants
 
 // A column's 4 codes times the row's 4 q, in two int16 pair sums (exact: int8_layout.h's bounds).
-// 8 bits: |code| against q with the code's sign.
-template <int Bits>
+// Signed codes (8 bits, a table's): |code| against q with the code's sign.
+template <class F>
 inline __m256i dot4_16(__m256i w, __m256i w_abs, __m256i xb) {
-  if constexpr (Bits == 8) return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w));
+  if constexpr (F::kSigned) return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w));
   else return _mm256_maddubs_epi16(w, xb);
 }
 
-// Quads whose int16 pair sums may be added before widening: a pair is at most 2 x 15 x 127 = 3810 (4
-// bits), 7874 (5), 16002 (6), 32512 (8), so 8, 4, 2 and 1 of them stay below 32767. Exact, like VPMADDWD.
-template <int Bits>
-constexpr int kRun = Bits == 4 ? 8 : Bits == 5 ? 4 : Bits == 6 ? 2 : 1;
+// Quads whose int16 pair sums may be added before widening: a pair is at most 2 x 15 x 127 = 3810 (2 to 4
+// bits), 7874 (5), 16002 (6), 32512 (signed), so 8, 4, 2 and 1 of them stay below 32767. Exact, like VPMADDWD.
+template <class F>
+constexpr int kRun = F::kSigned ? 1 : F::kBits <= 4 ? 8 : F::kBits == 5 ? 4 : 2;
 
 inline __m256i int8x8(const int8_t* p) {  // 8 int8 -> 8 int32
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -65,10 +65,10 @@ inline void epilogue_block(const QuantPart& q, int64_t at_d, const float* scale,
 
 // The int32 sums of one group (Group k) for R rows from row r0: runs of kRun quads summed in int16,
 // then widened (VPMADDWD by 1) into a.
-template <int Bits, int Group, int R>
-inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, int64_t qd0,
-                       __m256i (&a)[R][2]) {
-  constexpr int kQuads = Group / 4, kStep = kRun<Bits> < kQuads ? kRun<Bits> : kQuads;
+template <class F, int Group, int R>
+inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, const __m256i& table,
+                       int64_t qd0, __m256i (&a)[R][2]) {
+  constexpr int Bits = F::kBits, kQuads = Group / 4, kStep = kRun<F> < kQuads ? kRun<F> : kQuads;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
   for (int run = 0; run < kQuads; run += kStep) {
@@ -77,11 +77,12 @@ inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, cons
     for (int64_t qd = qd0 + run; qd < qd0 + run + kStep; ++qd) {
       __m256i lo, hi;
       quad_codes<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr, lo, hi);
-      const __m256i lo_abs = Bits == 8 ? _mm256_abs_epi8(lo) : lo, hi_abs = Bits == 8 ? _mm256_abs_epi8(hi) : hi;
+      if constexpr (F::kTable) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+      const __m256i lo_abs = F::kSigned ? _mm256_abs_epi8(lo) : lo, hi_abs = F::kSigned ? _mm256_abs_epi8(hi) : hi;
       for (int r = 0; r < R; ++r) {
         const __m256i xb = _mm256_set1_epi32(load4(x.q + (r0 + r) * x.kp + 4 * qd));
-        a16[r][0] = _mm256_add_epi16(a16[r][0], dot4_16<Bits>(lo, lo_abs, xb));
-        a16[r][1] = _mm256_add_epi16(a16[r][1], dot4_16<Bits>(hi, hi_abs, xb));
+        a16[r][0] = _mm256_add_epi16(a16[r][0], dot4_16<F>(lo, lo_abs, xb));
+        a16[r][1] = _mm256_add_epi16(a16[r][1], dot4_16<F>(hi, hi_abs, xb));
       }
     }
     for (int r = 0; r < R; ++r)
@@ -89,18 +90,27 @@ inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, cons
   }
 }
 
+// The part's table in both 128-bit lanes, for VPSHUFB (none: zeros, unused).
+inline __m256i table256(const QuantPart& q) {
+  return q.table ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.table)))
+                 : _mm256_setzero_si256();
+}
+
 // R rows from row r0 of x against one panel, every block.
-template <int Bits, bool Offset, int Group, int R>
+template <class F, int Group, int R>
 void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
+  constexpr int Bits = F::kBits;
+  constexpr bool Offset = F::kOffset;
   const int64_t kp = x.kp, groups = q.block / Group, blocks = kp / q.block;
   const uint8_t* codes = q.codes + panel * (kp / 4) * kQuadBytes<Bits>;
   const uint8_t* high = kHighBytes<Bits> ? q.high + panel * (kp / 4) * kHighBytes<Bits> : nullptr;
+  const __m256i table = table256(q);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i S[R][2], M[R][2];
     for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = M[r][0] = M[r][1] = _mm256_setzero_si256();
     for (int64_t g = b * groups; g < (b + 1) * groups; ++g) {
       __m256i a[R][2];
-      group_sums<Bits, Group, R>(x, r0, codes, high, g * (Group / 4), a);
+      group_sums<F, Group, R>(x, r0, codes, high, table, g * (Group / 4), a);
       int32_t xsum[R];
       for (int r = 0; r < R; ++r) {
         const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * Group / 16;
@@ -119,8 +129,7 @@ void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, floa
 void linear_int8_avx2(const Int8Rows& x, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
   by_layout(q, [&](auto f, auto group) {
     row_tiles<kRows>(x.m, [&](auto n, int64_t r0) {
-      tile<decltype(f)::kBits, decltype(f)::kOffset, decltype(group)::value, decltype(n)::value>(x, r0, q, panel, acc,
-                                                                                                 ldacc);
+      tile<decltype(f), decltype(group)::value, decltype(n)::value>(x, r0, q, panel, acc, ldacc);
     });
   });
 }

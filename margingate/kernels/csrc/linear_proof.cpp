@@ -5,13 +5,15 @@
 // than one k slice), both regroupings of the weights (one row tile, several), zeros of both signs,
 // bf16 denormals, denormal products and results, and exponents far from 1; then quantized weights in
 // every code layout (4, 5, 6 and 8 bits, scales per block and per group, offsets), dequantized by
-// the path's ISA. A few ms in all.
+// the path's ISA; the int8 paths also on the integer-exact contract's own layouts (2 and 3 bits, a
+// table's 4-bit codes). A few ms in all.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <vector>
 
+#include "int8_layout.h"
 #include "kernels.h"
 #include "quant_codes.h"
 
@@ -81,42 +83,55 @@ at::Tensor make_packed(Rng& r, const Case& c) {
 }
 
 // Quantized weights (quant.cpp) in two parts: the first panel in format f, the rest in the next one.
-// Each format is one code layout (4, 5, 6 and 8 bits) with its scale arrays (d alone, d * s per group,
-// an offset or none), as the GGUF types have them.
+// Each format is one code layout (4, 5, 6 and 8 bits; the int8 contract's 2 and 3 bits and tables too)
+// with its scale arrays (d alone, d * s per group, an offset or none), as the GGUF types have them.
 struct Format {
   int bits, zero;
   int64_t group, block;
   bool s, off, s_off;
+  int table;  // quant_codes.h's code_table id, 0: none
 };
-constexpr Format kFormats[] = {{4, 3, 32, 64, true, true, true},    // Q4_K's (with a zero point)
-                               {5, 16, 32, 32, false, false, false},  // Q5_0's
-                               {6, 32, 16, 32, true, false, false},   // Q6_K's
-                               {8, 0, 32, 32, false, true, false},    // Q8_0's, with Q4_1's offset
-                               {8, 0, 32, 32, false, false, false}};  // Q8_0's (AMX tiles run it)
-constexpr int kNumFormats = 5;
-constexpr Case kQuantCases[] = {{1, 40, 64, 8}, {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}, {33, 24, 64, 8}};
+constexpr Format kFormats[] = {{4, 3, 32, 64, true, true, true, 0},     // Q4_K's (with a zero point)
+                               {5, 16, 32, 32, false, false, false, 0},  // Q5_0's
+                               {6, 32, 16, 32, true, false, false, 0},   // Q6_K's
+                               {8, 0, 32, 32, false, true, false, 0},    // Q8_0's, with Q4_1's offset
+                               {8, 0, 32, 32, false, false, false, 0},   // Q8_0's (AMX tiles run it)
+                               // the integer-exact contract's alone:
+                               {2, 1, 16, 64, true, true, true, 0},      // Q2_K's (with a zero point)
+                               {3, 4, 16, 32, true, false, false, 0},    // Q3_K's
+                               {4, 0, 32, 32, false, false, false, 1},   // IQ4_NL's
+                               {4, 0, 32, 64, true, false, false, 1},    // IQ4_XS's
+                               {4, 0, 16, 32, true, true, true, 1}};     // a table with an offset
+constexpr int kExactFormats = 5, kInt8Formats = 10;
+// Case f holds format f's first panel and the next format's rest: k a multiple of both blocks.
+constexpr Case kQuantCases[] = {{1, 40, 64, 8},  {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}, {33, 24, 64, 8},
+                                {1, 33, 128, 8}, {9, 40, 192, 8}, {1, 48, 64, 8},  {20, 32, 128, 8}, {5, 20, 64, 8}};
 
-// Bytes of a part's codes, high bits, d, s, d_off and s_off (0: none), for np panels.
-std::vector<int64_t> array_bytes(const Format& f, int64_t np, int64_t k) {
+// Bytes of a part's codes, high bits, d, s, d_off and s_off (0: none), for np panels, in the bf16 or the
+// int8 contract's layout.
+std::vector<int64_t> array_bytes(const Format& f, int64_t np, int64_t k, bool int8) {
   const int64_t d = np * (k / f.block) * kPanel * 2, s = np * (k / f.group) * kPanel;
-  return {np * k * kPanel / (f.bits == 8 ? 1 : 2), f.bits == 5 || f.bits == 6 ? np * k / high_run(f.bits) * kPanel : 0,
-          d, f.s ? s : 0, f.off ? d : 0, f.off && f.s_off ? s : 0};
+  const int64_t codes = int8 ? np * (k / 4) * quad_bytes(f.bits) : np * k * kPanel / (f.bits == 8 ? 1 : 2);
+  const int64_t high = int8 ? np * (k / 4) * high_bytes(f.bits)
+                            : f.bits == 5 || f.bits == 6 ? np * k / high_run(f.bits) * kPanel : 0;
+  return {codes, high, d, f.s ? s : 0, f.off ? d : 0, f.off && f.s_off ? s : 0};
 }
 
-// Random bytes, except the fp16 d fields: finite values of either sign, subnormals among them.
-at::Tensor make_quant(Rng& r, const Case& c, int f, int64_t magic = kQuantMagic) {
+// Random bytes, except the fp16 d fields: finite values of either sign, subnormals among them. Formats
+// f and f + 1 (mod `formats`).
+at::Tensor make_quant(Rng& r, const Case& c, int f, int formats, int64_t magic) {
   const int64_t panels = (c.n + kPanel - 1) / kPanel, parts = panels > 1 ? 2 : 1;
   std::vector<int64_t> head = {magic, c.n, c.k, parts};
   int64_t at = round_up(8 * (4 + 12 * parts), 64);
   for (int64_t i = 0; i < parts; ++i) {
-    const Format& fm = kFormats[(f + i) % kNumFormats];
+    const Format& fm = kFormats[(f + i) % formats];
     const int64_t np = i == 0 ? 1 : panels - 1;
     head.insert(head.end(), {np, fm.group, fm.block, fm.bits, fm.zero});
-    for (int64_t bytes : array_bytes(fm, np, c.k)) {
+    for (int64_t bytes : array_bytes(fm, np, c.k, magic == kInt8Magic)) {
       head.push_back(bytes ? at : -1);
       at += round_up(bytes, 64);
     }
-    head.push_back(0);
+    head.push_back(fm.table);
   }
   at::Tensor blob = at::empty({at}, at::dtype(at::kByte));
   uint8_t* b = blob.data_ptr<uint8_t>();
@@ -163,9 +178,9 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
         if (!why.empty()) return why;
       }
     }
-  for (int f = 0; f < kNumFormats; ++f) {  // quantized weights: dequantized by the path's ISA, then its kernel
+  for (int f = 0; f < kExactFormats; ++f) {  // quantized weights: dequantized by the path's ISA, then its kernel
     const Case& c = kQuantCases[f];
-    const at::Tensor w = make_quant(r, c, f);
+    const at::Tensor w = make_quant(r, c, f, kExactFormats, kQuantMagic);
     for (int fp32 = 0; fp32 <= int(fp32_x); ++fp32) {
       const at::Tensor x = make_x(r, c, fp32);
       const std::string why = compare(run(x, w, c.n, c10::nullopt),
@@ -176,14 +191,14 @@ std::string prove_linear(const std::string& path, const LinearRun& run, bool fp3
   return "";
 }
 
-// The int8 path against the int8 scalar reference (contract.h, 5): every code layout, two parts of
-// different blocks in one matrix, rows with zeros, denormals and wide exponents, 1 to 200 rows.
+// The int8 path against the int8 scalar reference (contract.h, 5): every code layout (2 to 8 bits, tables),
+// two parts of different blocks in one matrix, rows with zeros, denormals and wide exponents, 1 to 200 rows.
 std::string prove_int8(const std::string& path,
                        const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& run) {
   Rng r{0xD1B54A32D192ED03ull};
-  for (int f = 0; f < kNumFormats; ++f) {
+  for (int f = 0; f < kInt8Formats; ++f) {
     const Case& c = kQuantCases[f];
-    const at::Tensor w = make_quant(r, c, f, kInt8Magic), x = make_x(r, c, false);
+    const at::Tensor w = make_quant(r, c, f, kInt8Formats, kInt8Magic), x = make_x(r, c, false);
     at::Tensor got = run(x, w, c.n);
     if (faulted(path)) got.view(at::kShort)[0][0].bitwise_xor_(1);
     const std::string why = compare(got, linear_reference(x, w, c.n, c10::nullopt, false), c, false);

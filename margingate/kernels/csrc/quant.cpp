@@ -83,25 +83,28 @@ void dequant_groups(const QuantPart& q, int64_t panel, int64_t kp, uint16_t* dst
 
 // One part's header words (panels, group, block, bits, zero, then where its arrays lie), checked.
 QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t* p, int64_t i, bool int8) {
-  const int64_t panels = p[0], group = p[1], block = p[2], bits = p[3], zero = p[4];
-  const bool high = bits == 5 || bits == 6;
+  const int64_t panels = p[0], group = p[1], block = p[2], bits = p[3], zero = p[4], table = p[11];
+  const bool high = bits == 5 || bits == 6 || bits == 3;
   const bool blocks = (group == 16 || group == 32) && block > 0 && block % group == 0 && k % block == 0;
-  TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && blocks && (bits == 4 || high || bits == 8) &&
-                  zero >= 0 && zero < (bits == 8 ? 1 : 1 << bits),
+  const bool layout = bits == 4 || bits == 5 || bits == 6 || bits == 8 || (int8 && (bits == 2 || bits == 3));
+  const bool tabled = table == 0 || (int8 && bits == 4 && zero == 0 && code_table(table));  // the int8 contract's
+  TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && blocks && layout && tabled && zero >= 0 &&
+                  zero < (bits == 8 ? 1 : 1 << bits),
               "quantized weight: part ", i, " has a bad format");
   const bool s_ok = p[8] >= 0 || block == group, off_ok = p[9] >= 0 ? p[10] >= 0 || block == group : p[10] == -1;
   TORCH_CHECK(p[5] >= 0 && (p[6] >= 0) == high && p[7] >= 0 && s_ok && off_ok,
               "quantized weight: part ", i, " lacks codes or scales its format needs");
   const int64_t per_block = panels * (k / block) * kPanel, per_group = panels * (k / group) * kPanel;
-  const int64_t sizes[6] = {panels * k * kPanel / (bits == 8 ? 1 : 2), panels * k / 2 / high_run(int(bits)) * 2 * kPanel,
-                            2 * per_block, per_group, 2 * per_block, per_group};
+  const int64_t code_size = int8 ? panels * (k / 4) * quad_bytes(int(bits)) : panels * k * kPanel / (bits == 8 ? 1 : 2);
+  const int64_t high_size = int8 ? panels * (k / 4) * high_bytes(int(bits)) : panels * k / high_run(int(bits)) * kPanel;
+  const int64_t sizes[6] = {code_size, high_size, 2 * per_block, per_group, 2 * per_block, per_group};
   for (int a = 0; a < 6; ++a)
     TORCH_CHECK(p[5 + a] == -1 || (p[5 + a] >= 0 && p[5 + a] % 2 == 0 && p[5 + a] + sizes[a] <= size),
                 "quantized weight: part ", i, " lies outside the tensor");
   auto at = [&](int a) { return p[5 + a] >= 0 ? base + p[5 + a] : nullptr; };
   return {at(0), at(1), reinterpret_cast<const uint16_t*>(at(2)), reinterpret_cast<const int8_t*>(at(3)),
           reinterpret_cast<const uint16_t*>(at(4)), reinterpret_cast<const int8_t*>(at(5)), panels, group, block,
-          int(bits), int(zero), int8};
+          int(bits), int(zero), int8, code_table(table)};
 }
 
 }  // namespace

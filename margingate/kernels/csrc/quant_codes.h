@@ -15,13 +15,23 @@ namespace {
 constexpr int64_t kQuantMagic = 0x3251474D;  // "MGQ2", the first header word (kernels/quant_pack.py)
 constexpr int64_t kInt8Magic = 0x3849474D;   // "MGI8": the same header, codes in int8_layout.h's order
 
-template <int Bits, bool Offset>
+// A code layout: Bits per code, an offset or none, and (4 bits only) codes that index a table of values.
+template <int Bits, bool Offset, bool Table = false>
 struct QuantFormat {
   static constexpr int kBits = Bits;
   static constexpr bool kOffset = Offset;
+  static constexpr bool kTable = Table;
+  static constexpr bool kSigned = Bits == 8 || Table;  // codes are signed bytes (else unsigned, < 2^Bits)
 };
 
-// f(QuantFormat<bits, has offset>{}) for the part's format: one instantiation per code layout.
+// The code tables a part's last header word names (kernels/quant_pack.py, TABLES): 0 none, 1 llama.cpp's
+// kvalues_iq4nl (ggml-common.h), the 16 int8 values of IQ4_NL and IQ4_XS (|value| <= 127).
+alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
+inline const int8_t* code_table(int64_t id) { return id == 1 ? kIq4nlValues : nullptr; }
+
+// f(QuantFormat<bits, has offset>{}) for the part's format: one instantiation per code layout of the bf16
+// contract (4, 5, 6 and 8 bits; the integer-exact contract's are int8_layout.h's by_int8_format).
 template <class F>
 inline void by_format(const QuantPart& q, F f) {
   const bool off = q.d_off != nullptr;
