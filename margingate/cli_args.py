@@ -22,7 +22,7 @@ from .options import (
     SpeculativeError,
     parse_tau,
 )
-from .options.engine import PREFIX_CACHE_TOKENS, STEP_GRAPHS
+from .options.engine import KV_CACHE_DTYPES, PREFIX_CACHE_TOKENS, STEP_GRAPHS
 from .options.weights import QUANTIZE, WEIGHTS
 
 # --- argument types: each names the problem in its message -------------------------------
@@ -100,8 +100,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GB",
                    help="the KV pool's size (default: 40%% of the memory available at start, at most what "
                         "--max-num-seqs full-context requests need); pages become resident as blocks are used")
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "int8"),
-                   help="int8: each position's K and V quantized per head with an fp32 scale (half the bytes)")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=KV_CACHE_DTYPES,
+                   help="int8, int4: each position's K and V rotated (Hadamard) and quantized by themselves, an fp32 "
+                        "scale per 32 values (int8: 0.56x the bytes of bf16, int4: 0.31x)")
     p.add_argument("--kv-block-size", type=positive_int, default=16, metavar="N", help="positions per KV block")
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="prompt positions per request per step, sharing steps with decode rows (default: as many "

@@ -138,11 +138,12 @@ def test_a_pool_too_small_for_a_request_is_refused_at_admission(llm, ids):
     assert run(eng, [ids[0][:20]], "ok")[0][0]
 
 
-def test_an_int8_cache_is_batch_invariant_and_close_to_bf16(llm, ids, contiguous):
-    """int8 K/V: each request's tokens and logprobs the same alone and beside others, bitwise (each position
-    quantized by itself); and its greedy tokens mostly those of the bf16 cache."""
-    alone = [run(engine(llm, kv_cache_dtype="int8"), [x], "i")[0] for x in ids]
-    assert run(engine(llm, kv_cache_dtype="int8", max_num_seqs=4), ids, "j") == alone
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
+def test_a_quantized_cache_is_batch_invariant_and_close_to_bf16(llm, ids, contiguous, dtype):
+    """int8 and int4 K/V: each request's tokens and logprobs the same alone and beside others, bitwise (each
+    position rotated and quantized by itself); and its greedy tokens mostly those of the bf16 cache."""
+    alone = [run(engine(llm, kv_cache_dtype=dtype), [x], "i")[0] for x in ids]
+    assert run(engine(llm, kv_cache_dtype=dtype, max_num_seqs=4), ids, "j") == alone
     agree = sum(a == b for (t8, _), (t16, _) in zip(alone, contiguous) for a, b in zip(t8, t16))
     assert agree >= 0.75 * len(ids) * NEW
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 #: position, ~370 MB in all
 PREFIX_CACHE_TOKENS = 16384
 STEP_GRAPHS = ("auto", "cuda", "stand-in", "off")
+#: the KV cache's formats a user may name (kernels/kv_format.py: KV_FORMATS says how each is stored)
+KV_CACHE_DTYPES = ("bfloat16", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +17,7 @@ class EngineConfig:
     max_model_len: int | None = None  # positions per request (prompt + output); None: the model's own context
     kv_cache_memory: float | None = None  # GB for the KV pool; None: engine/pool.py's default from free memory
     kv_block_size: int = 16       # positions per KV block
-    kv_cache_dtype: str = "bfloat16"  # or "int8": each position's K and V per head with an fp32 scale
+    kv_cache_dtype: str = "bfloat16"  # or int8, int4: each position's K and V rotated, quantized per 32 values
     num_threads: int | None = None  # torch CPU threads; None: all cores
     prefill_chunk: int | None = None  # prompt positions per request per step; None: as many as the budget allows
     # rows per step, decode rows first, then prompt chunks (a long prompt is prefilled over several steps)
@@ -48,5 +50,5 @@ class EngineConfig:
             raise ValueError(f"step_graphs must be one of {', '.join(STEP_GRAPHS)}, got {self.step_graphs!r}")
         if self.graph_rows < 1:
             raise ValueError(f"graph_rows must be >= 1, got {self.graph_rows}")
-        if self.kv_cache_dtype not in ("bfloat16", "int8"):
-            raise ValueError(f"kv_cache_dtype must be bfloat16 or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
