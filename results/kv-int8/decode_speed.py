@@ -30,7 +30,8 @@ def one(dtype: str, batch: int, threads: int) -> dict:
 
     llm = LLM(kv_cache_dtype=dtype, num_threads=threads, max_num_seqs=batch, policy="batch-invariant")
     ids = llm.tokenizer.encode(builtin_text())
-    prompts = [(ids[i * 37:] + ids) [:CONTEXT] for i in range(batch)]  # distinct prompts of CONTEXT tokens
+    ids = ids * (CONTEXT // len(ids) + 2)
+    prompts = [ids[i * 37:i * 37 + CONTEXT] for i in range(batch)]  # distinct prompts of CONTEXT tokens
     eng = llm.engine
     seqs = [eng.add_request(Request(p, DECODE + WARMUP + 1, llm.policy("batch-invariant"), ignore_eos=True,
                                     request_id=f"r{i}")) for i, p in enumerate(prompts)]
@@ -58,13 +59,14 @@ def main() -> None:
     ap.add_argument("--baseline", default="/work/main", help="the checkout whose int8 is 'before'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", nargs=2, metavar=("DTYPE", "BATCH"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one(args.child[0], int(args.child[1]), args.threads)))
         return
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     runs = []
-    for batch in (1, 8):
+    for batch in args.batches:
         for label, tree, dtype in (("bf16", str(REPO), "bfloat16"), ("int8 before (per head)", args.baseline, "int8"),
                                    ("int8 (per 32, rotated)", str(REPO), "int8"),
                                    ("int4 (per 32, rotated)", str(REPO), "int4")):

@@ -9,7 +9,9 @@ Our variants: the formats offered (`int8`, `int4`: rotated, a scale per 32 value
 codes without the rotation and/or with one scale per 64-value head (int8's format before; both models have head
 dim 64), measured by replacing the format table's entry for the run (kernels/kv_format.py: KV_FORMATS).
 
-    .venv/bin/python results/kv-int8/quality.py [--tokens 2000] [--threads 2] [--models qwen2.5-coder-0.5b]
+    .venv/bin/python results/kv-int8/quality.py [--tokens 2000] [--threads 2] [--models ...] [--cache DIR]
+
+(llama.cpp's Python: .venv-llamacpp/bin/python, or MARGINGATE_LLAMACPP_PYTHON.)
 
 Writes results/kv-int8/quality.json and quality.md.
 """
@@ -61,8 +63,8 @@ def llamacpp(gguf: str, ids: list[int], label: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"gguf": gguf, "ids": ids, "threads": threads, "type_k": ggml_type}))
-        subprocess.run([str(REPO / ".venv-llamacpp/bin/python"), str(HERE / "llamacpp_score.py"), str(job), str(out)],
-                       check=True, env=env)
+        python = os.environ.get("MARGINGATE_LLAMACPP_PYTHON", str(REPO / ".venv-llamacpp/bin/python"))
+        subprocess.run([python, str(HERE / "llamacpp_score.py"), str(job), str(out)], check=True, env=env)
         return json.loads(out.read_text())
 
 
@@ -73,15 +75,30 @@ def compare(full: dict, quantized: dict) -> dict:
             "nll_full": nll_full, "nll_quantized": nll_q, "nll_increase": nll_q - nll_full}
 
 
-def measure(model: str, tokens: int, threads: int) -> dict:
+def cached(folder: Path | None, key: str, run) -> dict:
+    """`run()`, or its result kept in `folder` from an earlier call with this key (a run takes minutes)."""
+    path = folder / (key.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "") + ".json") \
+        if folder else None
+    if path and path.exists():
+        return json.loads(path.read_text())
+    result = run()
+    if path:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
+    return result
+
+
+def measure(model: str, tokens: int, threads: int, cache: Path | None) -> dict:
     from margingate.llm import LLM
     from margingate.models.loader import gguf_parts
 
     ids = LLM(model, num_threads=threads, max_num_seqs=1).tokenizer.encode(builtin_text())
     ids = (ids * (tokens // len(ids) + 1))[:tokens]
-    runs = {label: ours(model, ids, label, threads) for label in OURS}
     gguf = str(gguf_parts(model)[0])
-    peer = {label: llamacpp(gguf, ids, label, threads) for label in LLAMACPP}
+    runs = {label: cached(cache, f"ours {model} {label} {tokens}", lambda: ours(model, ids, label, threads))
+            for label in OURS}
+    peer = {label: cached(cache, f"llama.cpp {model} {label} {tokens}", lambda: llamacpp(gguf, ids, label, threads))
+            for label in LLAMACPP}
     row = {"model": model, "llama_cpp": peer["f16"].get("version"),
            "llama_cpp_rotation_log": {label: r.get("rotation") for label, r in peer.items()},
            "ours": {label: {**compare(runs["bf16"], r), "kv_bytes_per_position": r["kv_bytes_per_position"]}
@@ -118,13 +135,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--cache", type=Path, default=None, help="keep each run's result here, and reuse it")
     args = ap.parse_args()
     from margingate.analysis.outputs import machine_line
     from margingate.environment import environment_record
     from margingate.llm import LLM
 
     cpu = machine_line(environment_record(LLM(args.models[0], num_threads=args.threads, max_num_seqs=1)))
-    rows = [measure(model, args.tokens, args.threads) for model in args.models]
+    rows = [measure(model, args.tokens, args.threads, args.cache) for model in args.models]
     (HERE / "quality.json").write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "cpu": cpu,
                                                    "rows": rows}, indent=1))
     (HERE / "quality.md").write_text(table(rows, args.tokens, args.threads, cpu))
