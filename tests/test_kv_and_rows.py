@@ -93,27 +93,6 @@ def test_shared_blocks_are_counted_and_copied_on_write():
     assert pool.num_free == 8 and not any(pool.refs)
 
 
-def test_int8_pool_stores_each_head_by_itself():
-    """An int8 cache stores each (position, head) as codes and one fp32 scale: amax / 127, codes rounded to
-    nearest even; it reads back within half a step of every value, and a zero head stores scale 0."""
-    pool = KVPool(2, 2, 4, 2, 16, dtype="int8")
-    tables = pool.tables_for(1, 8)
-    k = torch.randn(3, 2, 16).to(torch.bfloat16)
-    k[2, 1] = 0
-    pool.write(0, tables, torch.zeros(3, dtype=torch.long), torch.tensor([0, 5, 6]), k, k)
-    for row, pos in enumerate((0, 5, 6)):
-        block, r = int(tables[0, pos // 4]), pos % 4
-        for h in range(2):
-            x = k[row, h].float()
-            scale = x.abs().max() / 127
-            assert pool.k_scale[0, block, h, r] == scale
-            if scale == 0:
-                assert not pool.k[0, block, h, r].any()
-                continue
-            assert torch.equal(pool.k[0, block, h, r], torch.round(x / scale).to(torch.int8))
-            assert (pool.k[0, block, h, r].float() * scale - x).abs().max() <= scale / 2 * (1 + 1e-6)
-
-
 # --- Sequence.rollback ---------------------------------------------------------------
 
 
@@ -281,12 +260,6 @@ def test_prompt_kv_equal_whole_chunked_token_by_token(llm, prompt_whole, chunk):
     assert torch.equal(logits[-1], last)
 
 
-def test_bytes_per_block_counts_codes_and_scales():
-    """A block's K and V bytes, every layer: bf16 values, or int8 codes plus one fp32 scale per head and row."""
-    assert KVPool(3, 2, 4, 2, 8).bytes_per_block == 2 * 3 * 2 * 4 * 8 * 2
-    assert KVPool(3, 2, 4, 2, 8, dtype="int8").bytes_per_block == 2 * 3 * 2 * 4 * (8 + 4)
-
-
 def test_free_blocks_hand_their_pages_back_and_held_blocks_keep_their_bytes():
     """An idle pool's free blocks give their whole pages back (they then read zeros, which `allocate` would
     write anyway); a held block, and the pages it shares with free neighbours, keep every byte."""
@@ -324,24 +297,3 @@ def test_a_double_free_is_refused_loudly():
         pool.retain(1)
     assert pool.num_free == 4 and sorted(pool._free) == [0, 1, 2, 3] and not any(pool.refs)
     assert sorted(pool.allocate() for _ in range(4)) == [0, 1, 2, 3]  # each block handed out once
-
-
-def test_int8_columns_round_trip_through_a_shared_block():
-    """An int8 cache's column (codes and scales) read from one table and written into a block that a fork shares:
-    the write copies the block first, lands the codes and scales bitwise, and leaves the sibling's bytes alone."""
-    pool = KVPool(2, 6, 4, 2, 16, dtype="int8")
-    a = BlockTable.empty(pool)
-    a.prepare(0, 8)
-    pool.write(0, torch.tensor([a.blocks]), torch.zeros(8, dtype=torch.long), torch.arange(8),
-               torch.randn(8, 2, 16).to(torch.bfloat16), torch.randn(8, 2, 16).to(torch.bfloat16))
-    pool.write(1, torch.tensor([a.blocks]), torch.zeros(8, dtype=torch.long), torch.arange(8),
-               torch.randn(8, 2, 16).to(torch.bfloat16), torch.randn(8, 2, 16).to(torch.bfloat16))
-    fork = BlockTable.empty(pool)
-    fork.share(a, 8)
-    before = [t.clone() for t in pool.tensors()]
-    column = a.read(1)
-    fork.overwrite(6, column)  # position 6: the shared second block, copied on write
-    assert fork.blocks[1] != a.blocks[1] and pool.refs[a.blocks[1]] == 1
-    assert all(torch.equal(x, y) for x, y in zip(fork.read(6), column))
-    for t, old in zip(pool.tensors(), before):  # the sibling's blocks kept their bytes
-        assert torch.equal(t[:, a.blocks], old[:, a.blocks])

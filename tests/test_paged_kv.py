@@ -15,6 +15,7 @@ from margingate.engine.pool import bytes_per_position
 from margingate.engine.sampling import SamplingParams
 from margingate.options import PolicySpec
 from margingate.policies import build
+from margingate.scoring import score_pairs
 
 NEW = 24
 
@@ -138,13 +139,17 @@ def test_a_pool_too_small_for_a_request_is_refused_at_admission(llm, ids):
     assert run(eng, [ids[0][:20]], "ok")[0][0]
 
 
-def test_an_int8_cache_is_batch_invariant_and_close_to_bf16(llm, ids, contiguous):
-    """int8 K/V: each request's tokens and logprobs the same alone and beside others, bitwise (each position
-    quantized by itself); and its greedy tokens mostly those of the bf16 cache."""
-    alone = [run(engine(llm, kv_cache_dtype="int8"), [x], "i")[0] for x in ids]
-    assert run(engine(llm, kv_cache_dtype="int8", max_num_seqs=4), ids, "j") == alone
-    agree = sum(a == b for (t8, _), (t16, _) in zip(alone, contiguous) for a, b in zip(t8, t16))
-    assert agree >= 0.75 * len(ids) * NEW
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
+def test_a_quantized_cache_is_batch_invariant_and_close_to_bf16(llm, ids, contiguous, dtype):
+    """int8 and int4 K/V: each request's tokens and logprobs the same alone and beside others, bitwise (each
+    position rotated and quantized by itself); and, teacher-forced on the bf16 cache's greedy tokens, its top-1
+    mostly those tokens (a free-running comparison would measure where the first near-tie falls instead)."""
+    alone = [run(engine(llm, kv_cache_dtype=dtype), [x], "i")[0] for x in ids]
+    batched = engine(llm, kv_cache_dtype=dtype, max_num_seqs=4)
+    assert run(batched, ids, "j") == alone
+    scores = score_pairs(batched, [(x, tokens) for x, (tokens, _) in zip(ids, contiguous)])
+    agree = sum(t.top[0][0] == token for s in scores for t, token in zip(s.tokens, s.token_ids))
+    assert agree >= {"int8": 0.9, "int4": 0.75}[dtype] * len(ids) * NEW
 
 
 def test_a_step_budget_spreads_a_long_prompt_over_steps_beside_decoding(llm, ids, contiguous):

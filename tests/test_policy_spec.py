@@ -44,6 +44,11 @@ def test_edge_taus_accepted():
     ({"name": "nope"}, "policy", "unknown policy"),
     ({"strict": "yes"}, "strict", "strict must be true or false"),
     ({"inject_flip_at": 3, "name": "fast"}, "inject_flip_at", "needs a verifying policy"),
+    # a forced wrong token that nothing would take back: verify-all checks each step as it comes, a column or
+    # non-strict margin never looks back
+    ({"inject_flip_at": 3, "name": "verify-all"}, "inject_flip_at", "verify-all never would"),
+    ({"inject_flip_at": 3, "repair": "column"}, "inject_flip_at", "margin with repair column never would"),
+    ({"inject_flip_at": 3, "strict": False}, "inject_flip_at", "repair replay and strict off never would"),
 ])
 def test_bad_options_name_the_option(options, option, needle):
     with pytest.raises(PolicyOptionError, match=needle) as exc:

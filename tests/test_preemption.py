@@ -1,5 +1,5 @@
 """Preemption on the embedded model, on the paths a pool that runs out reaches: every deterministic policy x {the
-prefix cache, speculation, int8 K/V (with prefix sharing and a fork), n > 1 forks}, each request's tokens AND
+prefix cache, speculation, int8 and int4 K/V (with prefix sharing and a fork), n > 1 forks}, each request's tokens AND
 logprobs bitwise those of the request alone; the verifying policies with a forced flip (`inject_flip_at`) that
 they must roll back while being preempted. Then the scheduler's own behaviour: the reserve at admission, no
 admission right after a preemption, the victim, no thrashing in a tight pool, the reuse of a victim's blocks
@@ -33,7 +33,7 @@ PREEMPT_AT = (2, 7, 13)  # engine steps before which the scheduler's victim is p
 COPY = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n"
 NGRAM = SpeculativeConfig("ngram", num_tokens=4)
 LOGPROBS = SamplingParams(logprobs=2)
-FEATURES = ["prefix", "speculation", "int8", "n>1"]
+FEATURES = ["prefix", "speculation", "int8", "int4", "n>1"]
 # the default tier: each policy once, each feature at least once
 # (the cheapest pairing of each, measured: dvr's windows replay after the flip, so its plain preempted run, with
 # speculation asked and turned off, costs least)
@@ -94,12 +94,12 @@ def alone(llm):
 
 
 def requests(ids, name: str, tag: str, feature: str) -> list[Request]:
-    """The case's requests: each prompt once (speculating, for `speculation`), and for `n>1` and `int8` a second
+    """The case's requests: each prompt once (speculating, for `speculation`), and for `n>1` and K/V formats a second
     sample of the first prompts sharing its sibling's prompt blocks."""
     spec = NGRAM if feature == "speculation" else None
     reqs = [Request(x, NEW, policy(name, flip=True), ignore_eos=True, request_id=f"{tag}{i}", sampling=LOGPROBS,
                     speculative=spec) for i, x in enumerate(ids)]
-    forks = {"n>1": 2, "int8": 1}.get(feature, 0)
+    forks = {"n>1": 2, "int8": 1, "int4": 1}.get(feature, 0)
     return reqs + [Request(ids[i], NEW, policy(name, flip=True), ignore_eos=True, request_id=f"{tag}{i}b",
                            sampling=LOGPROBS, share_prefill=f"{tag}{i}") for i in range(forks)]
 
@@ -108,6 +108,7 @@ def config_for(feature: str) -> dict:
     return {"prefix": {"prefix_cache_tokens": 4096},
             "speculation": {"speculative_cost_model": False},  # every proposal fed: drafts pend when blocks run out
             "int8": {"kv_cache_dtype": "int8", "prefix_cache_tokens": 4096},
+            "int4": {"kv_cache_dtype": "int4", "prefix_cache_tokens": 4096},
             "n>1": {}}[feature]
 
 

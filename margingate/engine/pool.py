@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.kv_format import KV_FORMATS
 from ..models.config import ModelConfig
 from ..models.decoder import DecoderModel
 from ..models.kv_cache import KVPool, blocks_for
@@ -36,8 +37,8 @@ def available_bytes(device: torch.device | None = None) -> int:
 
 
 def bytes_per_position(config: ModelConfig, kv_dtype: str) -> int:
-    """K and V of one position, every layer (int8: codes and one fp32 scale per head)."""
-    per_head = config.head_dim + 4 if kv_dtype == "int8" else 2 * config.head_dim
+    """K and V of one position, every layer (quantized: codes and an fp32 scale per group)."""
+    per_head = KV_FORMATS[kv_dtype].bytes_per_head(config.head_dim)
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 

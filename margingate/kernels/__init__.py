@@ -25,4 +25,6 @@ are keyed by it.
 #    torch's mt19937; top_p's total in the kernels' fixed order (greedy tokens unchanged from 6)
 # 8: a GGUF's quantized matrices under the integer-exact contract by default (--weights auto: int8
 #    activations, exact integer sums, one fp32 epilogue: csrc/contract.h, 5); --weights exact keeps 7's bits
-VERSION = 8
+# 9: int8 K/V with an fp32 scale per 32 values, stored in the Hadamard basis (the query rotated alike, the output
+#    rotated back: csrc/contract.h, 6); int4 K/V. A bf16 cache's bits, and so every digest, unchanged from 8
+VERSION = 9

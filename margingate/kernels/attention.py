@@ -10,7 +10,7 @@ import torch
 from . import invariant, library
 from . import triton as triton_kernels
 from .choice import KernelChoice
-from .invariant import LayerKV
+from .kv_format import LayerKV, dequantize
 
 
 @dataclass
@@ -81,15 +81,16 @@ class AttentionRows:
         return self._masks[window]
 
 
-def gather_padded(cache: torch.Tensor, scales: torch.Tensor, tables: torch.Tensor, length: int,
+def gather_padded(cache: torch.Tensor, scales: torch.Tensor, rotated: bool, tables: torch.Tensor, length: int,
                   dtype: torch.dtype) -> torch.Tensor:
     """The first `length` keys (or values) of each table's rows from one layer's paged cache [blocks, kv_heads,
-    B, D], as [rows, kv_heads, length, D] in `dtype` (an int8 cache dequantized: code times scale)."""
+    B, width], as [rows, kv_heads, length, D] in `dtype` (a quantized cache dequantized, and taken back to the
+    plain basis where it is stored rotated: kv_format.dequantize)."""
     bs = cache.shape[2]
     idx = tables[:, :-(-length // bs)].clamp(min=0)  # -1 pads a short table: those keys are masked
-    x = cache[idx]  # [rows, blocks, kv_heads, B, D]
+    x = cache[idx]  # [rows, blocks, kv_heads, B, width]
     if scales.numel():
-        x = x.float() * scales[idx][..., None]
+        x = dequantize(x, scales[idx], unrotate=rotated)
     x = x.permute(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], -1, x.shape[4])[:, :, :length]
     return x.to(dtype)
 
@@ -111,8 +112,7 @@ def attend(q: torch.Tensor, kv: LayerKV, rows: AttentionRows, dtype: torch.dtype
         exact = triton_kernels.attention if rows.triton else invariant.attention
         out[idx] = exact(q[idx], kv, rows.tables, table_of, lengths, scale, window=window, sinks=sinks)
     b = rows.batched
-    k, v, k_scale, v_scale = kv
-    kb = gather_padded(k, k_scale, b.tables, b.padded_length, dtype)
-    vb = gather_padded(v, v_scale, b.tables, b.padded_length, dtype)
+    kb = gather_padded(kv.k, kv.k_scale, kv.rotate, b.tables, b.padded_length, dtype)
+    vb = gather_padded(kv.v, kv.v_scale, kv.rotate, b.tables, b.padded_length, dtype)
     out[b.rows] = library.batched_attention(q[b.rows], kb, vb, rows.mask(window), scale, sinks)
     return out

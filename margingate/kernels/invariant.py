@@ -22,6 +22,7 @@ import torch
 
 from ..errors import KernelBuildError
 from .extension import build_dir, load
+from .kv_format import LayerKV
 from .packing import PackedWeight
 from .quant_pack import QuantWeight
 
@@ -145,11 +146,6 @@ def moe_block(x: torch.Tensor, router: PackedWeight | QuantWeight, experts) -> t
     return ops().moe_block(x.contiguous(), router.data, experts)
 
 
-# One layer's paged cache as the kernels take it: K, V [blocks, kv_heads, block, D] and, for an int8
-# cache, their fp32 scales [blocks, kv_heads, block] (empty tensors otherwise); models/kv_cache.py's KVPool.layer.
-LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 def attention(q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, table_of: torch.Tensor, lengths: torch.Tensor,
               scale: float, aligns: torch.Tensor | None = None, window: int = 0,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +155,7 @@ def attention(q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, table_of: torc
     padded length aligns[r] (`fast`). `sinks` [H]: gpt-oss's per-head logits in the softmax's denominator."""
     aligns = torch.zeros_like(lengths) if aligns is None else aligns
     sinks = _NO_SINKS if sinks is None else sinks
-    return ops().attention(q.contiguous(), *kv, tables, table_of, lengths, aligns, scale, window, sinks)
+    return ops().attention(q.contiguous(), *LayerKV(*kv), tables, table_of, lengths, aligns, scale, window, sinks)
 
 
 _NO_SINKS = torch.empty(0)
@@ -167,9 +163,9 @@ _NO_SINKS = torch.empty(0)
 
 def kv_write(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, table_of: torch.Tensor,
              positions: torch.Tensor) -> None:
-    """Rows' K and V [N, kv_heads, D] (bf16) into their positions of the layer's paged cache (an int8 cache
-    quantizes each head by itself, csrc/contract.h 6)."""
-    ops().kv_write(*kv, k.contiguous(), v.contiguous(), tables, table_of, positions)
+    """Rows' K and V [N, kv_heads, D] (bf16) into their positions of the layer's paged cache (a quantized cache
+    rotates and quantizes each head by itself, csrc/contract.h 6)."""
+    ops().kv_write(*LayerKV(*kv), k.contiguous(), v.contiguous(), tables, table_of, positions)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0) -> torch.Tensor:

@@ -53,14 +53,17 @@ def stack_spec(layer: LayerSpec, layers: list, *, heads: int, kv_heads: int, int
 
 
 def decoder_stack(h: torch.Tensor, spec, rope: tuple[torch.Tensor, torch.Tensor],
-                  local_rope: tuple[torch.Tensor, torch.Tensor], cache: list[torch.Tensor], tables: torch.Tensor,
-                  table_of: torch.Tensor, positions: torch.Tensor, aligns: torch.Tensor) -> torch.Tensor:
+                  local_rope: tuple[torch.Tensor, torch.Tensor], cache: list[torch.Tensor], kv_rotate: bool,
+                  tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
+                  aligns: torch.Tensor) -> torch.Tensor:
     """Every decoder layer of `spec` (`stack_spec`) for bf16 rows h [N, hidden], updated in place and
-    returned; K/V written into `cache` ([k, v, k_scale, v_scale]: KVPool.tensors) through the rows' block
+    returned; K/V written into `cache` ([k, v, k_scale, v_scale]: KVPool.tensors; stored rotated where
+    `kv_rotate`: KVPool.rotate) through the rows' block
     tables (tables[table_of[r]]). `rope`: the rows' cos, sin ([N, 1, D] or [N, D]); `local_rope`: the sliding
     layers' (the same tables where the model has one base); attention chunks aligned per row as in
     `invariant.attention`."""
     cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in rope)
     cos_local, sin_local = (t.reshape(t.shape[0], -1).contiguous() for t in local_rope)
-    ops().decoder_stack(h, spec, cos, sin, cos_local, sin_local, cache, tables, table_of, positions, aligns)
+    ops().decoder_stack(h, spec, cos, sin, cos_local, sin_local, cache, kv_rotate, tables, table_of, positions,
+                        aligns)
     return h

@@ -177,7 +177,7 @@ class DecoderModel:
                 intermediate=cfg.intermediate_size, eps=cfg.rms_eps, scale=cfg.attention_scale,
                 windows=[cfg.window(i) for i in range(cfg.num_layers)])
         full, local = self._rope_tables(positions, torch.bfloat16)
-        return compiled_stack.decoder_stack(h, self._stack_spec, full, local, kv.tensors(), rows.tables,
+        return compiled_stack.decoder_stack(h, self._stack_spec, full, local, kv.tensors(), kv.rotate, rows.tables,
                                             rows.table_of, positions, rows.aligns)
 
     def _layer(self, li: int, L: LayerWeights, h: torch.Tensor, ops: layers.KernelSet,

@@ -1,7 +1,8 @@
 """The KV cache: one pool of fixed-size blocks per model, and a block table per request.
 
 K and V live in blocks of `block_size` positions, [layers, blocks, kv_heads, block_size, head_dim]
-(int8 codes plus an fp32 scale per position and head with `dtype="int8"`). A request's `BlockTable`
+(`int8` / `int4`: each position's heads rotated and quantized by themselves, codes plus an fp32 scale per group
+of 32 values: kernels/kv_format.py). A request's `BlockTable`
 lists its blocks in position order: position p lies in row p % block_size of block blocks[p //
 block_size]. The kernels read keys through the table in logical position order, so where a block
 lies and who else holds it change no bit (`csrc/contract.h`, 6).
@@ -24,9 +25,9 @@ import torch
 
 from .. import libc
 from ..kernels import invariant
+from ..kernels.kv_format import KV_FORMATS, LayerKV
 
 Column = tuple[torch.Tensor, torch.Tensor]  # one position's K and V, every layer: [layers, kv_heads, head_dim]
-KV_DTYPES = ("bfloat16", "int8", "float32")  # float32: tests against fp32 oracles
 
 
 MADV_DONTNEED = 4  # Linux: the pages are dropped; the next read of them finds zeros
@@ -57,18 +58,18 @@ def blocks_for(positions: int, block_size: int) -> int:
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: str = "bfloat16", device: torch.device | str = "cpu"):
-        if dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+        if dtype not in KV_FORMATS:
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_FORMATS)}, got {dtype!r}")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool: need at least one block of at least one position, "
                              f"got {num_blocks} x {block_size}")
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        fmt = self.format = KV_FORMATS[dtype]
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, fmt.width(head_dim))
         self.dtype, self.block_size, self.num_blocks = dtype, block_size, num_blocks
         # empty, not zeros: a block's pages become resident when it is first handed out (and zeroed then)
-        storage = {"bfloat16": torch.bfloat16, "int8": torch.int8, "float32": torch.float32}[dtype]
-        self.k = torch.empty(shape, dtype=storage, device=device)
-        self.v = torch.empty(shape, dtype=storage, device=device)
-        scales = shape[:4] if dtype == "int8" else (0,)
+        self.k = torch.empty(shape, dtype=fmt.storage, device=device)
+        self.v = torch.empty(shape, dtype=fmt.storage, device=device)
+        scales = (*shape[:4], head_dim // fmt.group_for(head_dim)) if fmt.quantized else (0,)
         self.k_scale = torch.empty(scales, dtype=torch.float32, device=device)
         self.v_scale = torch.empty(scales, dtype=torch.float32, device=device)
         self.refs = [0] * num_blocks
@@ -77,8 +78,13 @@ class KVPool:
         self.reclaim: Callable[[], bool] | None = None
 
     @property
-    def int8(self) -> bool:
-        return self.dtype == "int8"
+    def quantized(self) -> bool:
+        return self.format.quantized
+
+    @property
+    def rotate(self) -> bool:
+        """Are the values stored in the Hadamard basis (a quantized format's; the kernels undo it)?"""
+        return self.format.rotate
 
     @property
     def num_free(self) -> int:
@@ -86,30 +92,31 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        scales = self.k_scale[:, 0].numel() * 4 if self.int8 else 0
+        scales = self.k_scale[:, 0].numel() * 4 if self.quantized else 0
         return 2 * (self.k[:, 0].numel() * self.k.element_size() + scales)
 
     def tensors(self) -> list[torch.Tensor]:
-        """[k, v, k_scale, v_scale] (scales empty unless int8): the compiled stack's view of the cache."""
+        """[k, v, k_scale, v_scale] (scales empty unless quantized): the compiled stack's view of the cache (with
+        `rotate`)."""
         return [self.k, self.v, self.k_scale, self.v_scale]
 
-    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer's K, V [blocks, kv_heads, block_size, head_dim] and their scales (empty unless int8)."""
-        if self.int8:
-            return self.k[li], self.v[li], self.k_scale[li], self.v_scale[li]
-        return self.k[li], self.v[li], self.k_scale, self.v_scale
+    def layer(self, li: int) -> LayerKV:
+        """One layer's K, V [blocks, kv_heads, block_size, width] and their scales (empty unless quantized)."""
+        if self.quantized:
+            return LayerKV(self.k[li], self.v[li], self.k_scale[li], self.v_scale[li], self.rotate)
+        return LayerKV(self.k[li], self.v[li], self.k_scale, self.v_scale)
 
     def write(self, li: int, tables: torch.Tensor, table_of: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows' K and V [N, kv_heads, head_dim] into layer `li` at their positions of their block tables: the
-        compiled write for a bf16 or int8 cache on CPU (the stack's own, so both paths leave the same bytes),
+        compiled write for a bf16 or quantized cache on CPU (the stack's own, so both paths leave the same bytes),
         indexing elsewhere (an fp32 cache keeps fp32 rows)."""
         if self.k.device.type == "cpu" and self.dtype != "float32":
             invariant.kv_write(self.layer(li), k.to(torch.bfloat16), v.to(torch.bfloat16), tables, table_of,
                                positions)
             return
-        if self.int8:
-            raise ValueError("an int8 KV cache is written by the compiled CPU kernels only")
+        if self.quantized:
+            raise ValueError(f"an {self.dtype} KV cache is written by the compiled CPU kernels only")
         blocks, rows = tables[table_of, positions // self.block_size], positions % self.block_size
         self.k[li][blocks, :, rows] = k.to(self.k.dtype)
         self.v[li][blocks, :, rows] = v.to(self.v.dtype)
@@ -146,7 +153,7 @@ class KVPool:
         return released
 
     def _per_block(self) -> tuple[torch.Tensor, ...]:
-        return (self.k, self.v, self.k_scale, self.v_scale) if self.int8 else (self.k, self.v)
+        return (self.k, self.v, self.k_scale, self.v_scale) if self.quantized else (self.k, self.v)
 
     def tables_for(self, count: int, length: int) -> torch.Tensor:
         """`count` block tables of `length` positions each, on fresh blocks, as the kernels take them ([count, W]):
@@ -224,21 +231,22 @@ class BlockTable:
         self.truncate(0)
 
     def read(self, pos: int) -> Column:
-        """A copy of position `pos`'s K and V, every layer (int8: its codes and scales, stacked as stored)."""
+        """A copy of position `pos`'s K and V, every layer (quantized: its codes, then its scales, as fp32)."""
         block, row = self.locate(pos)
         p = self.pool
-        if p.int8:
-            return (torch.cat([p.k[:, block, :, row].float(), p.k_scale[:, block, :, row, None]], -1),
-                    torch.cat([p.v[:, block, :, row].float(), p.v_scale[:, block, :, row, None]], -1))
+        if p.quantized:
+            return (torch.cat([p.k[:, block, :, row].float(), p.k_scale[:, block, :, row]], -1),
+                    torch.cat([p.v[:, block, :, row].float(), p.v_scale[:, block, :, row]], -1))
         return p.k[:, block, :, row].clone(), p.v[:, block, :, row].clone()
 
     def overwrite(self, pos: int, column: Column) -> None:
         self.prepare(pos, pos + 1)
         block, row = self.locate(pos)
         p = self.pool
-        if p.int8:
-            (k, ks), (v, vs) = ((c[..., :-1], c[..., -1]) for c in column)
-            p.k[:, block, :, row], p.k_scale[:, block, :, row] = k.to(torch.int8), ks
-            p.v[:, block, :, row], p.v_scale[:, block, :, row] = v.to(torch.int8), vs
+        if p.quantized:
+            w = p.k.shape[-1]
+            (k, ks), (v, vs) = ((c[..., :w], c[..., w:]) for c in column)
+            p.k[:, block, :, row], p.k_scale[:, block, :, row] = k.to(p.k.dtype), ks
+            p.v[:, block, :, row], p.v_scale[:, block, :, row] = v.to(p.v.dtype), vs
             return
         p.k[:, block, :, row], p.v[:, block, :, row] = column

@@ -37,6 +37,10 @@ class Promise:
     deterministic: bool = False
     #: it gates and verifies: triggers, repairs and rollbacks are worth reporting
     verifies: bool = False
+    #: its replay checks every token emitted on the fast path and rolls back to one that was wrong, so a token
+    #: forced wrong (`inject_flip_at`) is taken back; verify-all's column repair checks each step as it comes
+    #: and has no replay that would look back at a forced one
+    rolls_back: bool = False
 
     @property
     def guarantees_logprobs(self) -> bool:
@@ -53,9 +57,9 @@ PROMISES = {
     "fast": Promise(),
     "fast-library": Promise(),
     "reference": Promise(deterministic=True),
-    "margin": Promise(deterministic=True, verifies=True),
+    "margin": Promise(deterministic=True, verifies=True, rolls_back=True),
     "verify-all": Promise(deterministic=True, verifies=True),  # every column is the verifier's
-    "dvr": Promise(deterministic=True, verifies=True),         # always the strict replay
+    "dvr": Promise(deterministic=True, verifies=True, rolls_back=True),  # always the strict replay
     "batch-invariant": Promise(deterministic=True),
     "layercast": Promise(),
 }
@@ -141,10 +145,23 @@ class PolicySpec:
             raise ValueError(f"strict must be true or false, got {self.strict!r}")
 
     def _check_inject(self):
+        """A forced wrong token is a test of the rollback: refused where nothing would take it back (it would
+        stay in the output, and a test of determinism would pass or fail for the wrong reason)."""
         if self.inject_flip_at is not None:
             int_in("inject_flip_at", self.inject_flip_at, 0)
-            if self.name != AUTO and not PROMISES[self.name].verifies:
+            if self.name == AUTO:
+                return  # checked once resolved
+            if not PROMISES[self.name].verifies:
                 raise ValueError(f"inject_flip_at needs a verifying policy, not {self.name}")
+            if not self.promise.rolls_back:
+                raise ValueError(f"inject_flip_at needs a policy that rolls back a wrong token (margin with the "
+                                 f"strict replay, dvr); {self._options_named()} never would, and the forced token "
+                                 f"would stay in the output")
+
+    def _options_named(self) -> str:
+        if self.name == "margin":
+            return f"margin with repair {self.repair}" + ("" if self.strict else " and strict off")
+        return self.name
 
     def resolve(self, device: str) -> PolicySpec:
         """This spec with `auto` replaced by the policy it means on `device` (others unchanged)."""

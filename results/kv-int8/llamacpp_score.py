@@ -1,8 +1,10 @@
 """Runs inside llama.cpp's own venv: `python llamacpp_score.py JOB RESULT`.
 
-JOB (JSON): gguf, token ids, threads, type_k (ggml type of the K and V cache: 1 F16, 8 Q8_0). The tokens are
-fed in llama.cpp's own n_batch chunks with every row's logits kept; flash attention on (llama.cpp needs it for
-a quantized V cache). RESULT: per position i >= 1, the log-probability of token i and the argmax after i - 1.
+JOB (JSON): gguf, token ids, threads, type_k (ggml type of the K and V cache: 1 F16, 8 Q8_0, 2 Q4_0). The tokens
+are fed in llama.cpp's own n_batch chunks with every row's logits kept; flash attention on (llama.cpp needs it for
+a quantized V cache). RESULT: per position i >= 1, the log-probability of token i and the argmax after i - 1; and
+the KV cache's own log lines about its Hadamard rotation (`attn_rot_k = 1`: K rotated; LLAMA_ATTN_ROT_DISABLE=1 in
+the environment turns it off).
 """
 import ctypes
 import json
@@ -14,11 +16,21 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 3)[0] + "/margingate/peers")
 from llamacpp_worker import _log  # noqa: E402
 
+ROTATION_LINES: list[str] = []
+
+
+@lc.llama_log_callback
+def _log_rotation(level, text, user):  # the cache's rotation lines kept; the rest as the worker's callback
+    line = text.decode(errors="replace")
+    if "attn_rot" in line or "rotation" in line:
+        ROTATION_LINES.append(line.strip())
+    _log(level, text, user)
+
 
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     ids = job["ids"]
-    lc.llama_log_set(_log, None)
+    lc.llama_log_set(_log_rotation, None)
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(job["gguf"].encode(), lc.llama_model_default_params())
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
@@ -51,7 +63,8 @@ def main(job_path: str, result_path: str) -> None:
     lc.llama_free(ctx)
     lc.llama_model_free(model)
     with open(result_path, "w") as f:
-        json.dump({"logprobs": logprobs, "argmax": argmax, "type_k": p.type_k, "version": lc.__version__}, f)
+        json.dump({"logprobs": logprobs, "argmax": argmax, "type_k": p.type_k, "version": lc.__version__,
+                   "rotation": ROTATION_LINES}, f)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "a mixture-of-experts block's experts in models/moe.py's order, one call");
   m.def("moe_block", &moe_block, "a mixture-of-experts block: router, route, experts, one call");
   m.def("attention", &attention, "batch-invariant attention of query rows over their own paged cached prefix");
-  m.def("kv_write", &kv_write, "rows' K and V into their positions of a paged cache (int8: quantized per head)");
+  m.def("kv_write", &kv_write, "rows' K and V into their positions of a paged cache (int8, int4: rotated, quantized per group)");
   m.def("rmsnorm", &rmsnorm, "per-row RMSNorm, fixed order (mode 1: Gemma's 1 + weight; 2: gpt-oss's fp32 product)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("swiglu_clamped", &swiglu_clamped, "gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit)");
@@ -56,7 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("check", &StackSpec::check);
   m.def("decoder_stack", &decoder_stack, "every decoder layer of a StackSpec for bf16 rows", py::arg("h"),
         py::arg("spec"), py::arg("cos"), py::arg("sin"), py::arg("cos_local"), py::arg("sin_local"),
-        py::arg("cache"), py::arg("tables"), py::arg("table_of"), py::arg("positions"), py::arg("aligns"));
+        py::arg("cache"), py::arg("kv_rotate"), py::arg("tables"), py::arg("table_of"), py::arg("positions"), py::arg("aligns"));
   m.def("stack_profile", &stack_profile, "ms per phase of decoder_stack since the last call; turns timing on/off");
   m.def("cpu_supported", &cpu_supported, "AVX2 and FMA present");
   m.attr("CHUNK") = kChunk;

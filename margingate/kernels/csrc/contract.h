@@ -50,10 +50,24 @@
 //    row's outputs are the same bits at any batch size, thread count and ISA, the scalar reference's.
 // 6. the KV cache (paged_kv.cpp): K/V live in blocks of positions; a row reads its keys through its
 //    request's block table in logical position order, so where its blocks lie, who shares them and what
-//    else is in the pool change no bit (3's chunks are counted in positions, not blocks). An int8 cache
-//    stores each (position, KV head) by itself: amax = max |v|, scale = amax / 127, code = clamp(
-//    rne(v / scale), -127, 127) (IEEE division); amax = 0: scale 0, codes 0; a NaN or infinity: scale NaN.
-//    It reads back as code * scale (one fp32 rounding), then as 3.
+//    else is in the pool change no bit (3's chunks are counted in positions, not blocks). A quantized
+//    cache (int8, int4) stores each (position, KV head)'s D values by themselves (paged_kv.cpp):
+//    a. widened to fp32, then rotated (`hadamard` below): Walsh-Hadamard butterflies over each block of
+//       R = the largest power of two dividing D (D = 64: one block of 64), unnormalized (H H = R I).
+//    b. per group of G = gcd(D, 32) consecutive values, each group by itself:
+//       int8: amax = max |v|, scale = amax / 127, code = clamp(rne(v / scale), -127, 127);
+//       int4: m = the value of largest |v| (the first among equals), scale = m / -8, code = clamp(
+//       rne(v / scale), -8, 7), stored as code + 8 in a nibble: byte j of a group holds its values j (low)
+//       and j + G / 2 (high).
+//       IEEE divisions; amax = 0: scale 0, codes 0; a NaN or an infinity in the group: scale NaN, codes 0.
+//    c. read back as code * scale (one fp32 rounding): the rotated values, gathered as above, then as 3
+//       with the query rotated the same way: each query head widened to fp32, `hadamard`, times 1 / R
+//       (a power of two: exact); the scores and the online softmax as 2 and 3 against the rotated keys;
+//       each head's output acc / den, then `hadamard`, times 1 / R, then one rounding to q's dtype.
+//       (Hq / R) . (Hk) = q . k and H (sum p_j H v_j) / R = sum p_j v_j, so only rounding separates this
+//       from attention in the plain basis; the bits are this order's.
+//    Every step is elementwise or in a fixed order per (position, head): the same bits at any batch,
+//    thread count and ISA. bf16 and fp32 caches store the values as they are, unrotated.
 //
 // Everything below has internal linkage: the ISA translation units (linear_avx512.cpp,
 // linear_amx.cpp) include this header under their own target pragma, and no copy compiled for one
@@ -163,6 +177,23 @@ inline float exp1(float x) {  // the same arithmetic for one value
   float buf[8];
   _mm256_storeu_ps(buf, exp8(_mm256_set1_ps(x)));
   return buf[0];
+}
+
+// 6a's rotation block: the largest power of two dividing d.
+inline int64_t hadamard_block(int64_t d) { return d & -d; }
+
+// 6a's rotation of d fp32 values in place: for len = 1, 2, ..., R / 2, each pair (j, j + len) with
+// j mod 2 len < len, ascending j: (a, b) -> (a + b, a - b), each one fp32 rounding. Elementwise within
+// a stage, so vector lanes change no bit; the scalar loop is the order.
+inline void hadamard(float* x, int64_t d) {
+  const int64_t r = hadamard_block(d);
+  for (int64_t len = 1; len < r; len <<= 1)
+    for (int64_t i = 0; i < d; i += 2 * len)
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
 }
 
 }  // namespace

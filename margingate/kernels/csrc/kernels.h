@@ -110,9 +110,11 @@ std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool norm
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const ExpertSet& set);
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, const ExpertSet& set);  // route, then experts
 
-// paged_kv.cpp: the KV cache in blocks (models/kv_cache.py's KVPool). One layer's K or V is [blocks, Hkv, B, D]:
-// bf16, fp32, or int8 codes with one fp32 scale per (block, KV head, row) in [blocks, Hkv, B]. Position p of a
-// forward's row r lies in row p % B of block tables[table_of[r]][p / B] (tables [T, W], table_of [N], int64).
+// paged_kv.cpp: the KV cache in blocks (models/kv_cache.py's KVPool). One layer's K or V is [blocks, Hkv, B, C]:
+// bf16 or fp32 values (C = D), int8 codes (C = D) or int4 codes two to a byte (uint8, C = D / 2); a quantized
+// cache has fp32 scales [blocks, Hkv, B, D / G], one per group of G values, and stores its values rotated where
+// `rotate` (contract.h, 6). Position p of a forward's row r lies in row p % B of block tables[table_of[r]][p / B]
+// (tables [T, W], table_of [N], int64).
 struct BlockTables {
   const int64_t* tables;
   const int64_t* table_of;
@@ -122,24 +124,29 @@ struct BlockTables {
 // The tables, checked: every block that rows of these `lengths` (positions + 1) reach lies in [0, num_blocks).
 BlockTables block_tables(const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& lengths,
                          int64_t num_blocks, int64_t block);
-// One layer's cache as the kernels read and write it (scales null unless int8).
+// One layer's cache as the kernels read and write it (scales null unless quantized).
 struct LayerCache {
-  at::ScalarType dtype;
+  at::ScalarType dtype;  // kBFloat16, kFloat, kChar (int8 codes), kByte (int4 codes, two a byte)
   void *k, *v;
   float *k_scale, *v_scale;
-  int64_t kv_heads, block, d;
+  int64_t kv_heads, block, d, group;  // group: values per scale (quantized), else d
+  bool rotate;
+  bool quantized() const { return dtype == at::kChar || dtype == at::kByte; }
+  int64_t width() const { return dtype == at::kByte ? d / 2 : d; }  // stored elements per (position, head)
+  int64_t groups() const { return d / group; }
   int64_t row_of(int64_t blk, int64_t head, int64_t p) const { return (blk * kv_heads + head) * block + p % block; }
 };
-LayerCache layer_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale);
-// Row r's K and V (kv_heads x d bf16 each) into position pos; int8: each head's d values quantized by themselves.
+LayerCache layer_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                       bool rotate);
+// Row r's K and V (kv_heads x d bf16 each) into position pos; quantized: each head by itself (contract.h, 6).
 void store_kv_row(const LayerCache& c, const BlockTables& bt, int64_t r, int64_t pos, const bf16* k, const bf16* v);
 void kv_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
-              const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables, const at::Tensor& table_of,
-              const at::Tensor& positions);
+              bool rotate, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+              const at::Tensor& table_of, const at::Tensor& positions);
 
 // attention.cpp
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale, bool rotate, const at::Tensor& tables,
                      const at::Tensor& table_of, const at::Tensor& lengths, const at::Tensor& aligns, double scale,
                      int64_t window, const at::Tensor& sinks);  // sinks: empty, or one fp32 logit per query head
 
@@ -178,7 +185,7 @@ struct StackSpec {
 };
 void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& cos_local, const at::Tensor& sin_local, const std::vector<at::Tensor>& cache,
-                   const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
+                   bool kv_rotate, const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
                    const at::Tensor& aligns);
 std::vector<std::pair<std::string, double>> stack_profile(bool on);
 

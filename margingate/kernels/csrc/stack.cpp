@@ -58,24 +58,26 @@ WeightIndex weight_index(const std::vector<std::string>& names) {
 
 constexpr int64_t kMaxKV = 16 * 256;  // KV heads x head dim of one row, on the stack
 
-// The model's cache as the stack reads it: K, V [layers, blocks, Hkv, B, D] and, for an int8 cache, their
-// scales [layers, blocks, Hkv, B] (empty tensors otherwise).
+// The model's cache as the stack reads it: K, V [layers, blocks, Hkv, B, C] and, for a quantized cache, their
+// scales [layers, blocks, Hkv, B, groups] (empty tensors otherwise), stored rotated where `rotate` (kernels.h).
 struct StackCache {
   at::Tensor k, v, k_scale, v_scale;
+  bool rotate;
   LayerCache layer(int64_t li) const {
-    const bool int8 = k_scale.numel() > 0;
-    return layer_cache(k[li], v[li], int8 ? k_scale[li] : k_scale, int8 ? v_scale[li] : v_scale);
+    const bool quantized = k_scale.numel() > 0;
+    return layer_cache(k[li], v[li], quantized ? k_scale[li] : k_scale, quantized ? v_scale[li] : v_scale, rotate);
   }
+  int64_t head_dim() const { return k.scalar_type() == at::kByte ? 2 * k.size(4) : k.size(4); }
 };
 
-StackCache stack_cache(const std::vector<at::Tensor>& cache, const StackSpec& spec) {
-  TORCH_CHECK(cache.size() == 4, "decoder_stack: the cache as [k, v, k_scale, v_scale] (scales empty unless int8)");
-  const StackCache c{cache[0], cache[1], cache[2], cache[3]};
+StackCache stack_cache(const std::vector<at::Tensor>& cache, bool rotate, const StackSpec& spec) {
+  TORCH_CHECK(cache.size() == 4, "decoder_stack: the cache as [k, v, k_scale, v_scale] (scales empty unless quantized)");
+  const StackCache c{cache[0], cache[1], cache[2], cache[3], rotate};
   TORCH_CHECK(c.k.dim() == 5 && c.k.sizes() == c.v.sizes() && c.k.is_contiguous() && c.v.is_contiguous(),
               "decoder_stack: contiguous caches [layers, blocks, Hkv, B, D]");
   TORCH_CHECK(int64_t(spec.windows.size()) == c.k.size(0), "decoder_stack: one cache layer per layer");
   TORCH_CHECK(c.k.size(2) == spec.kv_heads, "decoder_stack: the cache's KV heads");
-  TORCH_CHECK(spec.kv_heads * c.k.size(4) <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
+  TORCH_CHECK(spec.kv_heads * c.head_dim() <= kMaxKV, "decoder_stack: KV heads x head dim above ", kMaxKV);
   return c;
 }
 
@@ -147,11 +149,11 @@ void StackSpec::check() const {
 // the rows' block tables (kernels.h: BlockTables).
 void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& cos_local, const at::Tensor& sin_local, const std::vector<at::Tensor>& cache,
-                   const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
+                   bool kv_rotate, const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions,
                    const at::Tensor& aligns) {
   const WeightIndex ix = weight_index(spec.names);
-  const StackCache kv = stack_cache(cache, spec);
-  const int64_t n = h.size(0), d = kv.k.size(4);
+  const StackCache kv = stack_cache(cache, kv_rotate, spec);
+  const int64_t n = h.size(0), d = kv.head_dim();
   check_rows(h, {&cos, &sin, &cos_local, &sin_local}, d);
   const int64_t heads = spec.heads, kv_heads = spec.kv_heads, qs = heads * d, kvs = kv_heads * d;
   const int64_t offset = spec.unit_offset_norms ? kUnitOffsetNorm : spec.fp32_norm_product ? kFp32ProductNorm : kLlamaNorm;
@@ -182,9 +184,10 @@ void decoder_stack(at::Tensor h, const StackSpec& spec, const at::Tensor& cos, c
     }
     {
       Phase p{3};
-      const bool int8 = kv.k_scale.numel() > 0;
-      attn = attention(q, kv.k[li], kv.v[li], int8 ? kv.k_scale[li] : kv.k_scale, int8 ? kv.v_scale[li] : kv.v_scale,
-                       tables, table_of, lengths, aligns, spec.scale, window, W[ix.sinks]);
+      const bool quantized = kv.k_scale.numel() > 0;
+      attn = attention(q, kv.k[li], kv.v[li], quantized ? kv.k_scale[li] : kv.k_scale,
+                       quantized ? kv.v_scale[li] : kv.v_scale, kv.rotate, tables, table_of, lengths, aligns,
+                       spec.scale, window, W[ix.sinks]);
     }
     { Phase p{1}; y = linear(attn.view({n, qs}), W[ix.o], h.size(1), maybe(W[ix.o_bias]), false); }
     if (sandwich) { Phase p{0}; y = rmsnorm(y, W[ix.ln2], spec.eps, offset); }

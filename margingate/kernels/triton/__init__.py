@@ -154,11 +154,11 @@ def attention(q: torch.Tensor, kv: tuple, tables: torch.Tensor, table_of: torch.
     keeps the tables and lengths in range (checked under the interpreter; a CUDA check would cost a sync per
     layer)."""
     k = _kernels()
-    k_cache, v_cache, k_scale, _ = kv
+    k_cache, v_cache, k_scale = kv[:3]
     n, h, d = q.shape
     if k_scale.numel():
-        raise ValueError("attention: the Triton kernel reads a bf16 KV cache; an int8 cache runs on the compiled "
-                         "CPU kernels (--kv-cache-dtype int8 with --kernels compiled)")
+        raise ValueError("attention: the Triton kernel reads a bf16 KV cache; an int8 or int4 cache runs on the "
+                         "compiled CPU kernels (--kv-cache-dtype int8 or int4 with --kernels compiled)")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != d or h % k_cache.shape[1]:
         raise ValueError(f"attention: q [N, H, D], caches [blocks, Hkv, B, D] with Hkv dividing H; got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
