@@ -232,7 +232,6 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     names = check(config, state, source)
     # a Checkpoint says how to keep its quantized matrices, or asks for them dequantized (--weights bf16)
     contract = getattr(state, "contract", "int8") if packed and device.type == "cpu" else None
-
     cache = getattr(state, "packed_cache", None) if contract else None  # the file's matrices packed before
 
     def keep(key: str, make) -> Matrix:
@@ -247,8 +246,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         parts = [state[n] for n in names[key]]
         if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
             codes = [p.codes() if isinstance(p, BlockSource) else None for p in parts]
-            # Q2_K, Q3_K and the IQ4 types have a layout under the int8 contract alone (quant_pack)
-            laid_out = all(codes) and (contract == "int8" or all(c.exact_layout for c in codes))
+            laid_out = all(codes) and (contract == "int8" or all(c.exact_layout for c in codes))  # Q2_K..IQ4: int8
             if contract and _is_matrix(key) and laid_out and panelable(codes):
                 return quant_weight(codes, contract)
             parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
