@@ -55,7 +55,7 @@ def test_a_decoder_embeds_with_its_final_hidden_state(exact_llm, model_dir):
 
     from margingate.embeddings.embedder import DecoderEmbedder
 
-    e = DecoderEmbedder("smollm2-135m", exact_llm.model, exact_llm.tokenizer.hf, pooling="last")
+    e = DecoderEmbedder("smollm2-135m", exact_llm.model, exact_llm.tokenizer, pooling="last")
     ids = [e.tokenize(t) for t in TEXTS[:8]]
     batched = e.embed(ids).vectors
     assert torch.equal(e.embed([ids[3]]).vectors[0], batched[3])
@@ -74,7 +74,7 @@ def test_clients_read_vectors_from_a_server_that_also_serves_chat(llm):
     from margingate.server.api.embeddings import EmbeddingModels
 
     minilm = load("all-minilm-l6-v2")
-    own = DecoderEmbedder("smollm2-135m", llm.model, llm.tokenizer.hf)
+    own = DecoderEmbedder("smollm2-135m", llm.model, llm.tokenizer)
     srv = make_server(llm, slots=2, embeddings=EmbeddingModels({"smollm2-135m": own, "all-minilm-l6-v2": minilm}))
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)

@@ -53,7 +53,7 @@ def embedder_for(model: str, dtype: str, llm=None):
         from ..llm import LLM
 
         llm = LLM(model, max_num_seqs=1, weights="exact")
-    return DecoderEmbedder(model, llm.model, llm.tokenizer.hf, pooling=decoder_pooling(llm.folder, gguf_parts(model)),
+    return DecoderEmbedder(model, llm.model, llm.tokenizer, pooling=decoder_pooling(llm.folder, gguf_parts(model)),
                            max_tokens=llm.engine.max_len, dtype=torch_dtype)
 
 

@@ -144,7 +144,7 @@ class DecoderEmbedder(Embedder):
         cfg = model.config
         super().__init__(name, dimension=cfg.hidden_size, max_tokens=max_tokens, vocab=cfg.vocab_size,
                          pooling=pooling, normalize=normalize, dtype=dtype, batch_tokens=2048)
-        self.model, self.tokenizer = model, tokenizer  # tokenizer: the Hugging Face one
+        self.model, self.tokenizer = model, tokenizer  # tokenizer: the model's (models/tokenizer.py)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)

@@ -65,9 +65,10 @@ class Tokenizer:
             raise ValueError("this model has no chat template")
         return t
 
-    def encode(self, text: str) -> list[int]:
-        """`text`'s ids, no special tokens added (a template writes its own)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text`'s ids, no special tokens added (a template writes its own), or with them as the tokenizer's
+        post-processor adds them (a decoder embedding a bare text, as transformers' encode does)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up: bool | None = None) -> str:
         """transformers' decode: clean_up None is the tokenizer's own setting (off for BPE tokenizers)."""
