@@ -34,13 +34,7 @@ def decode_text(tokenizer, ids: list[int]) -> str:
     """The text of `ids` (`models.tokenizer.Tokenizer`'s), as every request's text is built: no special tokens
     (but where the chat template writes harmony, gpt-oss's format, whose marks are special tokens:
     server/parsers/harmony.py reads them), no space clean-up."""
-    keep = _harmony(getattr(tokenizer, "chat_template", None) or "")
-    return tokenizer.decode(ids, skip_special_tokens=not keep, clean_up=False)
-
-
-@functools.lru_cache(maxsize=8)
-def _harmony(chat_template: str) -> bool:
-    return "<|channel|>" in chat_template and "<|message|>" in chat_template
+    return tokenizer.decode(ids, skip_special_tokens=not tokenizer.harmony, clean_up=False)
 
 
 def text_decoder(tokenizer) -> Decode:

@@ -22,6 +22,14 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformer
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+HARMONY_MARKS = ("<|channel|>", "<|message|>")  # gpt-oss's format: its marks are special tokens
+
+
+def is_harmony(chat_template: str | dict | None) -> bool:
+    """Does the model's chat template write harmony (gpt-oss)?"""
+    return isinstance(chat_template, str) and all(m in chat_template for m in HARMONY_MARKS)
+
+
 def render(template: str, messages: list, *, tools: list[dict] | None = None, documents: list[dict] | None = None,
            add_generation_prompt: bool = False, continue_final_message: bool | str = False,
            special_tokens: Mapping[str, Any] | None = None, **kwargs) -> str:

@@ -26,6 +26,7 @@ class Tokenizer:
         self._tok.encode_special_tokens = self.meta["split_special_tokens"]
         self.chat_template: str | dict | None = self.meta["chat_template"]
         self.has_chat_template = bool(self.chat_template)
+        self.harmony = chat_template.is_harmony(self.chat_template)  # its answers keep their marks (decode_text)
         self.eos_token_id: int | None = self.meta["eos_token_id"]
         self._bytes: dict[int, bytes] = {}
 
