@@ -258,7 +258,7 @@ def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     tokenizer now, not from a second load; the others (Qwen2's class adds a normalizer) load it at first use."""
     from transformers import TokenizersBackend
 
-    with _gpt_oss_rope_keys_hidden(reader.meta):
+    with _gpt_oss_rope_keys_hidden(reader.meta), metadata_already_read(gguf_path, reader):
         tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         template = reader.meta.get("tokenizer.chat_template")
@@ -289,6 +289,36 @@ def gguf_tokenizer(gguf_path: Path, meta: dict):
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     cls = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(BY_TYPE[arch])), TokenizersBackend)
     return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def transformers_view(meta: dict, string_arrays=()) -> dict:
+    """Our walk's metadata as transformers' GGUF reader (`read_gguf_metadata`) gives it: a string array it was not
+    asked for in full is its length. (An empty string array, which our walk cannot tell from an empty number
+    array, stays a list; no tokenizer key is one.)"""
+    return {k: len(v) if isinstance(v, list) and v and isinstance(v[0], str) and k not in string_arrays else v
+            for k, v in meta.items()}
+
+
+@contextlib.contextmanager
+def metadata_already_read(gguf_path: Path, header: Header):
+    """While transformers builds this file's tokenizer, its GGUF reader returns what our walk already read
+    (`transformers_view`) instead of walking the header a second time (a second or more for a 262k-token
+    vocabulary); any other file goes to the real reader. tests/test_gguf_metadata_view.py holds the two equal."""
+    from transformers.integrations.gguf import reader as hf_reader
+
+    real, target = hf_reader.read_gguf_metadata, Path(gguf_path).resolve()
+    names = tuple(t.name for t in header.tensors)
+
+    def read(path, string_arrays=()):
+        if Path(path).resolve() != target:
+            return real(path, string_arrays)
+        return transformers_view(header.meta, string_arrays), names
+
+    hf_reader.read_gguf_metadata = read
+    try:
+        yield
+    finally:
+        hf_reader.read_gguf_metadata = real
 
 
 @contextlib.contextmanager

@@ -53,6 +53,16 @@ class Header(NamedTuple):
     tensors: list[RawTensor]
 
 
+# The tensor tables this process has walked, by file (path, size, mtime): a first start converts the file (its
+# header walked for the metadata) and then loads its tensors, and a second walk of a 262k-token vocabulary costs
+# a second or two. Only the tables are kept (a few hundred tuples), not the metadata with its vocabulary.
+_WALKED: dict[tuple, TensorTables] = {}
+
+
+def _file_key(paths: list[Path]) -> tuple:
+    return tuple((str(Path(p).resolve()), s.st_size, s.st_mtime_ns) for p, s in ((p, Path(p).stat()) for p in paths))
+
+
 def read_headers(paths: list[Path]) -> tuple[list[Header], TensorTables]:
     """Each part's header, walked and checked (gguf_header.read_header), and the parts' tensor tables."""
     from .gguf_header import read_header
@@ -61,6 +71,7 @@ def read_headers(paths: list[Path]) -> tuple[list[Header], TensorTables]:
     sizes = {k: (t.block, t.block_bytes) for k, t in types.items()}
     read = [_checked(read_header, p, sizes) for p in paths]
     tables = TensorTables([table for _, table in read], {e[2]: types[e[2]] for _, table in read for e in table})
+    _WALKED[_file_key(paths)] = tables
     return [Header(meta, [RawTensor(p, e, tables.types) for e in table])
             for p, (meta, table) in zip(paths, read)], tables
 
@@ -74,8 +85,9 @@ def _checked(read, path: Path, sizes: dict):
 
 
 def tensor_tables(paths: list[Path]) -> TensorTables:
-    """Each part's tensor table, its header walked and checked, and the types it names."""
-    return read_headers(paths)[1]
+    """Each part's tensor table, its header walked and checked (once per file and process), and the types it names."""
+    walked = _WALKED.get(_file_key(paths))
+    return walked if walked is not None else read_headers(paths)[1]
 
 
 class RawTensor:
