@@ -40,6 +40,7 @@ class ServingContext:
         self.device, self.default_tau, self.vocab_size = device, default_tau, vocab_size
         self.environment = {**environment, "num_threads": engine.num_threads}
         self.chat_template = tokenizer.chat_template
+        self.harmony = tokenizer.harmony  # gpt-oss's format: the server's parsers read its channels
         self.lock = threading.Lock()  # one request's tokenizer work at a time (the template renders in Python)
         self.grammars.tokenizer  # built now (~1 s), not inside a request
 

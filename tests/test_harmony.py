@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from margingate.models.chat_template import is_harmony
 from margingate.server.parsers.answer import Answer
-from margingate.server.parsers.harmony import HarmonyParser, grammar, is_harmony
+from margingate.server.parsers.harmony import HarmonyParser, grammar
 
 ANSWER = ("<|channel|>analysis<|message|>The user wants the weather. Call it.<|end|>"
           "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"

@@ -103,6 +103,7 @@ def test_a_call_after_the_reasoning_is_a_call():
 def test_where_the_answer_starts_is_read_from_the_prompt():
     assert template_family(QWEN3_FORM) == template_family(R1_FORM) == "think"
     assert template_family("{{ messages }}") is None and template_family(None) is None
+    assert template_family(None, writes_harmony=True) == "harmony"
     assert Reasoning.of("think", "<|im_start|>assistant\n") == Reasoning("<think>", "</think>", inside=False)
     assert Reasoning.of("think", "<|im_start|>assistant\n<think>\n").inside
     assert Reasoning.of("think", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # thinking off

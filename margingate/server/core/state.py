@@ -26,8 +26,8 @@ class ServerState:
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics, max_queue=config.max_queue,
                                    heap_trim_idle_s=config.heap_trim_idle_s)
-        self.tool_format = template_format(context.chat_template)  # tools.py
-        self.reasoning_family = template_family(context.chat_template)  # reasoning.py
+        self.tool_format = template_format(context.chat_template, context.harmony)  # tools.py
+        self.reasoning_family = template_family(context.chat_template, context.harmony)  # reasoning.py
         self.control = Control(context, self.worker)
         self.environment = context.environment  # at start: what changes later (the weight version) is read live
         self.formatter = LogprobFormatter(context.tokenizer, context.lock)

@@ -43,10 +43,10 @@ from ..protocol.common import BadRequest
 from ..protocol.formats import NamedToolChoice
 
 
-def template_format(chat_template: str | None) -> str | None:
-    """The tool format the model's chat template defines: "hermes", "harmony" (gpt-oss: harmony.py), or None
-    (ours is used)."""
-    if harmony.is_harmony(chat_template):
+def template_format(chat_template: str | None, writes_harmony: bool = False) -> str | None:
+    """The tool format the model's chat template defines: "hermes", "harmony" (gpt-oss: harmony.py; as the
+    tokenizer found it, `Tokenizer.harmony`), or None (ours is used)."""
+    if writes_harmony:
         return "harmony"
     return "hermes" if chat_template and "tools" in chat_template and "<tool_call>" in chat_template else None
 

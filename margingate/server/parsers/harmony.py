@@ -32,11 +32,6 @@ RECIPIENT = re.compile(r"to=([^\s<]+)")
 CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 
 
-def is_harmony(chat_template: str | None) -> bool:
-    """Does the model's chat template write harmony (gpt-oss)?"""
-    return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template
-
-
 class HarmonyParser:
     """One answer's messages, as its text comes (`feed`, then `finish`): analysis as reasoning, calls to offered
     functions as calls (at most `limit`), the rest as content."""

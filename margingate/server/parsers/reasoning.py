@@ -14,19 +14,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .call_parser import Piece, Trim, held_prefix
-from .harmony import is_harmony
 
 # a template family's reasoning marks: (opening, closing)
 FAMILIES = {"think": ("<think>", "</think>")}
 
 
-def template_family(chat_template: str | None) -> str | None:
+def template_family(chat_template: str | None, writes_harmony: bool = False) -> str | None:
     """The reasoning family a chat template writes (None: its answers have no reasoning); "harmony": gpt-oss's
-    analysis channel (harmony.py reads the whole answer)."""
+    analysis channel (harmony.py reads the whole answer), as the tokenizer found it (`Tokenizer.harmony`)."""
+    if writes_harmony:
+        return "harmony"
     if not chat_template:
         return None
-    if is_harmony(chat_template):
-        return "harmony"
     return next((name for name, (_, closing) in FAMILIES.items() if closing in chat_template), None)
 
 
