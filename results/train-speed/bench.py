@@ -105,7 +105,8 @@ def main() -> None:
                   f"it ({update['tokens']} tokens) equal to a fresh engine on that folder, bitwise: "
                   f"{update['first_request_equal_to_fresh_engine']}"]
     (args.out / "bench.md").write_text("\n".join(lines) + "\n")
-    (args.out / "bench.json").write_text(json.dumps({"cpu": cpu, "command": sys.argv, "rows": rows, **update}, indent=1))
+    report = {"cpu": cpu, "command": sys.argv, "rows": rows, **update}
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1))
     for f in (args.out / "tmp-folder").iterdir():
         f.unlink()
     (args.out / "tmp-folder").rmdir()
