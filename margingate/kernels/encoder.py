@@ -15,7 +15,6 @@ a function of the text alone, never of the batch around it or the thread count.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -52,24 +51,14 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     return invariant.exp_shifted(rows, torch.zeros(rows.shape[0])).reshape(x.shape)
 
 
-# erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0: Numerical Recipes' Chebyshev fit, relative
-# error < 1.2e-7 everywhere, so GELU keeps fp32's precision in its tail too (where 1 + erf cancels).
-_ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587,
-         -0.82215223, 0.17087277)
-
-
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact GELU, x * Phi(x) (BERT's `gelu`, erf form), in fp32, rounded once to x's dtype: Phi(x) is
-    erfc(|x| / sqrt 2) / 2 on the negative side and 1 minus it on the positive side."""
-    h = x.float()
-    z = h.abs().mul_(1.0 / math.sqrt(2.0))
-    t = z.mul(0.5).add_(1.0).reciprocal_()  # 1 / (1 + z / 2): one IEEE division per element
-    poly = t.mul(_ERFC[-1])
-    for c in reversed(_ERFC[1:-1]):  # Horner, each step rounded once, in place
-        poly.add_(c).mul_(t)
-    half_erfc = exp(poly.add_(_ERFC[0]).sub_(z.mul_(z))).mul_(t).mul_(0.5)
-    phi = torch.where(h >= 0, 1.0 - half_erfc, half_erfc)
-    return phi.mul_(h).to(x.dtype)
+    """Exact GELU, x * Phi(x) (BERT's `gelu`, erf form), in fp32, rounded once to x's dtype, every element by
+    the same fp32 steps, each rounded once (csrc/rowwise.cpp, `gelu_erf8`): z = |x| * fp32(1 / sqrt 2),
+    t = 1 / (z * 0.5 + 1), erfc(z) / 2 = exp(P(t) - z * z) * t * 0.5 with the contract's exp and P Numerical
+    Recipes' Chebyshev fit of erfc (relative error < 1.2e-7 everywhere, so GELU keeps fp32's precision in its
+    tail, where 1 + erf cancels) by Horner; Phi = 1 - erfc(z) / 2 for x >= 0, else erfc(z) / 2; then Phi * x.
+    tests/test_encoder_gelu.py holds it to the same steps as torch operations, bit for bit."""
+    return invariant.gelu_erf(x)
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],

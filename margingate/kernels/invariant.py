@@ -194,6 +194,11 @@ def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
     return ops().logsumexp_rows(logits.float().contiguous())
 
 
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """Exact GELU (erf form) of every element of an fp32 or bf16 tensor, in its dtype (kernels/encoder.gelu)."""
+    return ops().gelu_erf(x.contiguous())
+
+
 def exp_shifted(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """exp(row - shift[row]) of fp32 rows [R, V] with the contract's exp (no libm, no ISA dispatch)."""
     return ops().exp_shifted(logits.float().contiguous(), shift.float().contiguous())

@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("swiglu_clamped", &swiglu_clamped, "gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit)");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
+  m.def("gelu_erf", &gelu_erf, "exact GELU (erf form), elementwise");
   m.def("logsumexp_rows", &logsumexp_rows, "per-row log(sum(exp(x))) of fp32 logits, a fixed order");
   m.def("exp_shifted", &exp_shifted, "exp(x - shift[row]) with the contract's exp");
   m.def("sum_exp_rows", &sum_exp_rows, "per-row sum of exp(x - max), fp64, the fixed order of logsumexp_rows");

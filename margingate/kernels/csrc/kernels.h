@@ -156,6 +156,7 @@ constexpr int64_t kLlamaNorm = 0, kUnitOffsetNorm = 1, kFp32ProductNorm = 2;
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t mode);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
+at::Tensor gelu_erf(const at::Tensor& x);
 at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit);  // gpt-oss's experts
 void rope_row(const bf16* x, const bf16* cs, const bf16* sn, int64_t heads, int64_t d, bf16* out);
 void add_into(at::Tensor& h, const at::Tensor& y);

@@ -64,6 +64,37 @@ inline __m256 gelu_tanh8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(u2)));
 }
 
+// Exact GELU, x * Phi(x) (BERT's erf form), the steps and roundings of kernels/encoder.py's definition (each an
+// fp32 operation rounded once, exp the contract's exp8): z = |x| / sqrt 2 (a multiply by its fp32 value),
+// t = 1 / (z * 0.5 + 1), erfc(z) / 2 = exp(P(t) - z * z) * t * 0.5 (P: Numerical Recipes' Chebyshev fit, by
+// Horner), Phi = 1 - that for x >= 0, else that; then Phi * x.
+constexpr float kErfc[10] = {-1.26551223f, 1.00002368f, 0.37409196f, 0.09678418f, -0.18628806f,
+                             0.27886807f,  -1.13520398f, 1.48851587f, -0.82215223f, 0.17087277f};
+
+inline __m256 gelu_erf8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+  const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(0.70710678118654752f));
+  const __m256 t = _mm256_div_ps(one, _mm256_add_ps(_mm256_mul_ps(z, half), one));
+  __m256 p = _mm256_mul_ps(t, _mm256_set1_ps(kErfc[9]));
+  for (int i = 8; i >= 1; --i) p = _mm256_mul_ps(_mm256_add_ps(p, _mm256_set1_ps(kErfc[i])), t);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_add_ps(p, _mm256_set1_ps(kErfc[0])), _mm256_mul_ps(z, z)));
+  const __m256 tail = _mm256_mul_ps(_mm256_mul_ps(e, t), half);
+  const __m256 phi = _mm256_blendv_ps(tail, _mm256_sub_ps(one, tail), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  return _mm256_mul_ps(phi, x);
+}
+
+template <typename T>
+void gelu_span(const T* x, T* out, int64_t n) {  // the tail through the same vector code, zero-padded
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, gelu_erf8(load8(x + i)));
+  if (i < n) {
+    alignas(32) T in[8] = {}, res[8];
+    std::memcpy(in, x + i, (n - i) * sizeof(T));
+    store8(res, gelu_erf8(load8(in)));
+    std::memcpy(out + i, res, (n - i) * sizeof(T));
+  }
+}
+
 template <typename T, __m256 (*Act)(__m256)>
 void act_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   constexpr bool kBf16 = std::is_same<T, bf16>::value;
@@ -161,6 +192,20 @@ at::Tensor swiglu_clamped(const at::Tensor& gate_up, double alpha, double limit)
   return out;
 }
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul<gelu_tanh8>(gate_up); }
+
+at::Tensor gelu_erf(const at::Tensor& x) {  // elementwise: how threads split the elements changes no bit
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "gelu_erf: x must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gelu_erf: x must be fp32 or bf16");
+  at::Tensor out = at::empty_like(x);
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    if (x.scalar_type() == at::kFloat)
+      gelu_span(x.data_ptr<float>() + b, out.data_ptr<float>() + b, e - b);
+    else
+      gelu_span(x.data_ptr<bf16>() + b, out.data_ptr<bf16>() + b, e - b);
+  });
+  return out;
+}
 
 
 // Rotates `heads` heads of one row (HF layout: x * cos + cat(-x2, x1) * sin, each op rounded),
