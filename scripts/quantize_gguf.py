@@ -16,7 +16,9 @@ FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_
           # issue 64: types that need no importance matrix (llama.cpp asks for one for IQ1 and IQ2_XXS/XS only)
           "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
           "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
-          "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+          "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+          "iq3_xxs": "LLAMA_FTYPE_MOSTLY_IQ3_XXS", "iq3_s": "LLAMA_FTYPE_MOSTLY_IQ3_S",
+          "iq3_m": "LLAMA_FTYPE_MOSTLY_IQ3_M"}  # the IQ2 and IQ1 types: scripts/quantize_iq_gguf.py
 
 
 def main(src: str, dst: str, kind: str) -> None:

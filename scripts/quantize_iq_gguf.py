@@ -26,13 +26,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 IQ = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+EDGES = {"token_embd.weight": "Q2_K", "output.weight": "Q5_K"}  # llama.cpp's types there for its IQ2 and IQ1 files
 
 
 def ggml():
     """llama-cpp-python's libggml-base (the llama.cpp peer's venv, or MARGINGATE_GGML_LIB)."""
-    path = os.environ.get("MARGINGATE_GGML_LIB") or next(iter(sorted(glob.glob(
-        str(ROOT.parent / "main" / ".venv-llamacpp/lib/python*/site-packages/llama_cpp/lib/libggml-base.so")) + glob.glob(
-        str(ROOT / ".venv-llamacpp/lib/python*/site-packages/llama_cpp/lib/libggml-base.so")))), None)
+    where = ".venv-llamacpp/lib/python*/site-packages/llama_cpp/lib/libggml-base.so"
+    found = sorted(glob.glob(str(ROOT / where)) + glob.glob(str(ROOT.parent / "main" / where)))
+    path = os.environ.get("MARGINGATE_GGML_LIB") or (found[0] if found else None)
     if path is None:
         sys.exit("no libggml-base.so: make llamacpp-venv, or set MARGINGATE_GGML_LIB")
     lib = ctypes.CDLL(path)
@@ -84,7 +85,7 @@ def model(src: str, dst: str, type_name: str, threads: int = 2) -> None:
     for t in reader.tensors:
         shape = [int(v) for v in reversed(t.shape)]  # [rows, k]
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        kind = type_name if t.name.startswith("blk.") else {"token_embd.weight": "Q2_K", "output.weight": "Q5_K"}.get(t.name)
+        kind = type_name if t.name.startswith("blk.") else EDGES.get(t.name)
         if len(shape) != 2 or kind is None:
             w.add_tensor(t.name, values)
             continue

@@ -49,7 +49,8 @@ CONTRACTS = ("exact", "int8")  # bf16 bits of the dequantized weight | the integ
 # are re-coded at load, models/gguf_iq.py): IQ2_XXS/XS/S +-{8, 25, 43} / 8 (the 1/8 of their d (0.5 + s) / 4);
 # IQ3_XXS +-{4, 12, ..., 62} / 4; IQ3_S +-{1, 3, ..., 15}; IQ1_S/M 8 g +- 1 (grid g in {-1, 0, 1}, delta
 # +-1/8) / 8. Unused entries are 0.
-TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8), 0),
+TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8),
+                    0),
           "iq2": (2, np.array([8, 25, 43, 0, -8, -25, -43, 0], np.int8), 3),
           "iq3xxs": (3, np.array([4, 12, 20, 28, 36, 44, 52, 62, -4, -12, -20, -28, -36, -44, -52, -62], np.int8), 2),
           "iq3s": (4, np.array([1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15], np.int8), 0),

@@ -131,7 +131,8 @@ def _iq1(grid_index: np.ndarray, minus: np.ndarray) -> np.ndarray:
 def _iq1_s(b):
     nb = b.shape[0]
     qh = _u16(b[:, 34:50]).reshape(nb, 8)
-    idx = b[:, 2:34].reshape(nb, 8, 4).astype(np.uint16) | (((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8)
+    high = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+    idx = b[:, 2:34].reshape(nb, 8, 4).astype(np.uint16) | (high << 8)
     v = _iq1(idx, np.broadcast_to((qh & 0x8000)[..., None] != 0, idx.shape))
     return v, _f16(b[:, :2]), (2 * ((qh >> 12) & 7) + 1).astype(np.int8), 32, "iq1"
 

@@ -40,7 +40,8 @@ from .weights import WeightsError
 SAMPLES, SAMPLE_BYTES, HEAD_BYTES, ALIGN = 16, 1 << 16, 1 << 20, 64
 MIN_BYTES = 32 << 20  # a smaller file packs in well under a second: not worth a file in the cache
 PRUNE_AFTER_DAYS = 30
-SOURCES = (packing, quant_pack, gguf_quant, gguf_iq, gguf_import, gguf_tensors, weights)  # what decides the packed bytes
+# what decides the packed bytes
+SOURCES = (packing, quant_pack, gguf_quant, gguf_iq, gguf_import, gguf_tensors, weights)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Packed = PackedWeight | QuantWeight
 
