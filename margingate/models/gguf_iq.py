@@ -125,7 +125,7 @@ def _iq3_s(b):
 def _iq1(grid_index: np.ndarray, minus: np.ndarray) -> np.ndarray:
     """8 (g + delta) for each run of 8 weights: 8 g + 1, or 8 g - 1 where the delta is negative."""
     g = _grid("IQ1_S")[grid_index]
-    return 8 * g + np.where(minus, -1, 1)[..., None]
+    return 8 * g + np.where(minus, -1, 1).astype(np.int16)[..., None]
 
 
 def _iq1_s(b):
