@@ -13,7 +13,7 @@ from pathlib import Path
 FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
           "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
           "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE",  # gpt-oss's: MXFP4 experts, Q8_0 elsewhere
-          # issue 64: types that need no importance matrix (llama.cpp asks for one for IQ1 and IQ2_XXS/XS only)
+          # issue 64: types that need no importance matrix (IQ1, IQ2 and IQ3_XXS do: scripts/quantize_iq_gguf.py)
           "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
           "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
           "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}

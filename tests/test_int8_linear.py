@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from margingate.kernels import invariant as K
-from margingate.kernels.quant_pack import QuantCodes, quant_weight
+from margingate.kernels.quant_pack import TABLES, QuantCodes, quant_weight
 from margingate.models.gguf_quant import TYPES, quant_codes
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -55,7 +55,7 @@ def numpy_linear(x: np.ndarray, c: QuantCodes) -> np.ndarray:
     assert np.abs(S).max() < 2 ** 31 and np.abs(M).max() < 2 ** 31
     acc = np.zeros((m, n), np.float32)
     for b in range(k // c.block):
-        dd = (scale[:, b, None] * c.d[None, :, b].astype(np.float32)).astype(np.float32)
+        dd = (scale[:, b, None] * (c.d[None, :, b].astype(np.float32) * c.unit)).astype(np.float32)
         acc = (acc + (S[..., b].astype(np.float32) * dd).astype(np.float32)).astype(np.float32)
         if c.d_off is not None:
             do = (scale[:, b, None] * c.d_off[None, :, b].astype(np.float32)).astype(np.float32)
@@ -132,8 +132,9 @@ def test_codes_and_scales_at_their_extremes_do_not_saturate(int8_path):
     n, k = 16, 256
     for bits, zero, group, block, table in ((4, 0, 32, 256, None), (5, 0, 32, 256, None), (6, 32, 16, 256, None),
                                             (8, 0, 32, 32, None), (6, 0, 16, 256, None), (2, 0, 16, 256, None),
-                                            (3, 0, 16, 256, None), (4, 0, 32, 256, "iq4nl"), (4, 0, 32, 32, "iq4nl")):
-        top = -128 if bits == 8 else 0 if table else (1 << bits) - 1
+                                            (3, 0, 16, 256, None), (4, 0, 32, 256, "iq4nl"), (4, 0, 32, 32, "iq4nl"),
+                                            (3, 0, 16, 256, "iq2"), (4, 0, 32, 256, "iq3xxs")):
+        top = -128 if bits == 8 else int(np.abs(TABLES[table][1]).argmax()) if table else (1 << bits) - 1
         codes = np.full((n, k), top, np.int8 if bits == 8 else np.uint8)
         has_s = group != block
         s = np.full((n, k // group), -128 if bits in (2, 3, 4, 6) else 63, np.int8) if has_s else None

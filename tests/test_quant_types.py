@@ -1,7 +1,8 @@
-"""Q2_K, Q3_K, IQ4_NL and IQ4_XS kept quantized under the integer-exact contract (issue 64), in a whole model.
+"""Q2_K, Q3_K, IQ4_NL, IQ4_XS and the IQ1/IQ2/IQ3 grids kept quantized under the integer-exact contract
+(issue 64), in a whole model.
 
-A tiny Llama written as a GGUF whose matrices are these four types (valid blocks, scales sized so the
-weights are about N(0, 0.02)): under `weights="auto"` every matrix stays quantized in its own type, and
+Two tiny Llamas written as GGUFs whose matrices are these types (valid blocks, scales sized so the weights
+are about N(0, 0.02)): under `weights="auto"` every matrix stays quantized in its own type, and
 each int8 path this CPU runs gives the same tokens and logprobs (the paths' proofs and the kernel tests
 are tests/test_int8_linear.py's); under `"exact"`, which has no layout for these types, they are
 dequantized at load and the model is the bf16 one, bit for bit. llama.cpp's own quantizations of a
@@ -20,7 +21,7 @@ from margingate.models.gguf_quant import TYPES
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_gguf_import import _embedded_reader  # noqa: E402
-from test_quantized import FP16_FIELDS, random_tensor  # noqa: E402
+from test_quantized import FP16_FIELDS, random_tensor, set_fp16  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
@@ -28,6 +29,13 @@ HIDDEN, INTER, HEADS, KV, LAYERS = 256, 512, 4, 2, 2
 # which type each matrix takes: every new type in the attention and the MLP, a fused q|k|v of two types
 TYPE_OF = {"attn_q": "Q3_K", "attn_k": "Q3_K", "attn_v": "IQ4_XS", "attn_output": "Q2_K", "ffn_gate": "IQ4_NL",
            "ffn_up": "IQ4_NL", "ffn_down": "Q3_K", "token_embd": "IQ4_XS", "output": "Q2_K"}
+IQ_TYPE_OF = {"attn_q": "IQ3_XXS", "attn_k": "IQ3_XXS", "attn_v": "IQ3_S", "attn_output": "IQ2_XXS",
+              "ffn_gate": "IQ2_XS", "ffn_up": "IQ2_S", "ffn_down": "IQ1_M", "token_embd": "IQ1_S", "output": "IQ3_S"}
+# each model's matrix groups as the environment names their storage
+MODELS = {"k-and-iq4": (TYPE_OF, {"qkv": "q3_k+iq4_xs", "o_proj": "q2_k", "gate_up": "iq4_nl", "down_proj": "q3_k",
+                                  "lm_head": "q2_k", "embed": "iq4_xs"}),
+          "iq-grids": (IQ_TYPE_OF, {"qkv": "iq3_xxs+iq3_s", "o_proj": "iq2_xxs", "gate_up": "iq2_xs+iq2_s",
+                                    "down_proj": "iq1_m", "lm_head": "iq3_s", "embed": "iq1_s"})}
 
 
 def _weights(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -37,13 +45,13 @@ def _weights(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
     nbytes = TYPES[type_name][1]
     a, b = FP16_FIELDS[type_name]
     blocks = data.reshape(-1, nbytes)
-    blocks[:, a:b] = np.full(((b - a) // 2,), 1.0, np.float16).view(np.uint8)
+    set_fp16(blocks, type_name, np.full((blocks.shape[0], (b - a) // 2), 1.0))
     std = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]).std()
-    blocks[:, a:b] = np.full(((b - a) // 2,), 0.02 / std, np.float16).view(np.uint8)
+    set_fp16(blocks, type_name, np.full((blocks.shape[0], (b - a) // 2), 0.02 / std))
     return data
 
 
-def _write(path) -> None:
+def _write(path, type_of: dict) -> None:
     vocab = 49152
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("block_count", LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
@@ -64,8 +72,8 @@ def _write(path) -> None:
     for i in range(LAYERS):
         tensors.update({f"blk.{i}.{m}.weight": (m, s) for m, s in shapes.items()})
     for seed, (name, (kind, (n, k))) in enumerate(sorted(tensors.items())):
-        qt = gguf.GGMLQuantizationType[TYPE_OF[kind]]
-        w.add_tensor(name, _weights(TYPE_OF[kind], n, k, seed), raw_dtype=qt)
+        qt = gguf.GGMLQuantizationType[type_of[kind]]
+        w.add_tensor(name, _weights(type_of[kind], n, k, seed), raw_dtype=qt)
     norms = ["output_norm.weight"] + [f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in ("attn_norm", "ffn_norm")]
     for name in norms:
         w.add_tensor(name, np.ones(HIDDEN, np.float32))
@@ -75,13 +83,13 @@ def _write(path) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_file(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("quant-types")
     patch = pytest.MonkeyPatch()
     patch.setattr(loader, "cache_root", lambda: root / "cache")
-    _write(root / "tiny-types.gguf")
-    yield root / "tiny-types.gguf"
+    _write(root / "tiny-types.gguf", MODELS[request.param][0])
+    yield root / "tiny-types.gguf", MODELS[request.param][1]
     patch.undo()
 
 
@@ -90,10 +98,10 @@ def test_each_new_type_stays_quantized_and_every_int8_path_gives_one_digest(mode
     from margingate.llm import LLM
     from margingate.options import SamplingParams
 
-    llm = LLM(str(model_file), weights="auto", max_num_seqs=2)
+    path, storage = model_file
+    llm = LLM(str(path), weights="auto", max_num_seqs=2)
     assert llm.environment()["quantized_contract"] == "int8"
-    assert llm.environment()["weights"] == {"qkv": "q3_k+iq4_xs", "o_proj": "q2_k", "gate_up": "iq4_nl",
-                                            "down_proj": "q3_k", "lm_head": "q2_k", "embed": "iq4_xs"}
+    assert llm.environment()["weights"] == storage
     prompts, params = ["The quick brown fox", "One, two, three,"], SamplingParams(logprobs=2)
     paths = K.usable_paths("int8")
     assert paths, "no int8 path passed its proof"
@@ -113,8 +121,8 @@ def test_each_new_type_stays_quantized_and_every_int8_path_gives_one_digest(mode
 def test_under_the_exact_contract_the_new_types_are_the_bf16_model(model_file):
     from margingate.llm import LLM
 
-    exact, bf16 = LLM(str(model_file), weights="exact", max_num_seqs=1), LLM(str(model_file), weights="bf16",
-                                                                              max_num_seqs=1)
+    path, _ = model_file
+    exact, bf16 = LLM(str(path), weights="exact", max_num_seqs=1), LLM(str(path), weights="bf16", max_num_seqs=1)
     assert set(exact.environment()["weights"].values()) == {"bf16"}
     got = exact.generate(["Hello"], max_new_tokens=8, policy=exact.policy("reference"))
     want = bf16.generate(["Hello"], max_new_tokens=8, policy=bf16.policy("reference"))

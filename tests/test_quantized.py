@@ -22,7 +22,20 @@ from margingate.models.gguf_quant import TYPES, QuantFormatError, quant_codes
 # Where each type's fp16 fields lie in its block: random bytes there could be NaN or infinity.
 FP16_FIELDS = {"Q8_0": (0, 2), "Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4),
                "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q2_K": (80, 84), "Q3_K": (108, 110),
-               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
+               "IQ4_NL": (0, 2), "IQ4_XS": (0, 2), "IQ2_XXS": (0, 2), "IQ2_XS": (0, 2), "IQ2_S": (0, 2),
+               "IQ3_XXS": (0, 2), "IQ3_S": (0, 2), "IQ1_S": (0, 2), "IQ1_M": (48, 56)}  # IQ1_M: see set_fp16
+
+
+def set_fp16(blocks: np.ndarray, type_name: str, scales: np.ndarray) -> None:
+    """Write the fp16 fields of each block; IQ1_M's one d lies in the top 4 bits of its 4 scale words."""
+    a, b = FP16_FIELDS[type_name]
+    if type_name != "IQ1_M":
+        blocks[:, a:b] = scales.astype(np.float16).view(np.uint8)
+        return
+    d = scales[:, :1].astype(np.float16).view(np.uint16)
+    words = np.ascontiguousarray(blocks[:, a:b]).view(np.uint16) & np.uint16(0x0FFF)
+    words |= ((d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)) << np.uint16(12)
+    blocks[:, a:b] = words.view(np.uint8)
 
 
 def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -39,7 +52,7 @@ def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     scales[rng.random(scales.shape) < 0.05] = 0  # zero scales: signed zeros come out of them
     tiny = rng.random(scales.shape) < 0.05  # fp16 subnormals: the kernels' conversion must keep them
     scales[tiny] = (rng.integers(1, 1024, tiny.sum()) * rng.choice([-1, 1], tiny.sum())).astype(np.float16) * 2.0 ** -24
-    blocks[:, a:b] = scales.view(np.uint8)
+    set_fp16(blocks, type_name, scales)
     return blocks.reshape(n, -1)
 
 

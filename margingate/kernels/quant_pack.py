@@ -25,9 +25,10 @@ panel and quad, code i = 4 * column + (k % 4) for columns 0..15 (i in 0..63):
     4 bits; 2 and 3 bits: 16 bytes, bits 2 (i // 16) of byte i % 16 hold its low 2 bits; 8 bits: 64
     signed bytes, byte i.
     high: 3 and 5 bits: 8 bytes, bit i // 8 of byte i % 8; 6 bits: 16 bytes, bits 2 (i // 16) of byte i % 16.
-Only this contract has 2- and 3-bit codes (Q2_K, Q3_K) and 4-bit codes that index a table of int8
-values (IQ4_NL, IQ4_XS: the part's last header word names the table, TABLES); the bf16 contract
-dequantizes those types at load.
+Only this contract has 2- and 3-bit codes (Q2_K, Q3_K) and 3- or 4-bit codes that index a table of int8
+values (IQ4_NL, IQ4_XS, and the IQ1/IQ2/IQ3 grids re-coded at load: the part's last header word names the
+table, TABLES, and with it the power of two its values are scaled by); the bf16 contract dequantizes those
+types at load.
 """
 from __future__ import annotations
 
@@ -42,9 +43,18 @@ from .packing import PANEL, PackedWeight
 MAGIC, ALIGN, PART_WORDS = 0x3251474D, 64, 12
 MAGIC_INT8 = 0x3849474D  # "MGI8"
 CONTRACTS = ("exact", "int8")  # bf16 bits of the dequantized weight | the integer-exact contract
-# Code tables by name: (the header's id, the 16 int8 values a 4-bit code indexes). csrc/quant_codes.h
-# holds the same values under the same id.
-TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8))}
+# Code tables by name: (the header's id, the int8 values a 3- or 4-bit code indexes, e): code c means
+# values[c] x 2^-e, the power of two applied to d once it is widened to fp32 (exact). csrc/quant_codes.h holds
+# the same values under the same id. IQ4: kvalues_iq4nl. The IQ grids' values with their signs (the IQ types
+# are re-coded at load, models/gguf_iq.py): IQ2_XXS/XS/S +-{8, 25, 43} / 8 (the 1/8 of their d (0.5 + s) / 4);
+# IQ3_XXS +-{4, 12, ..., 62} / 4; IQ3_S +-{1, 3, ..., 15}; IQ1_S/M 8 g +- 1 (grid g in {-1, 0, 1}, delta
+# +-1/8) / 8. Unused entries are 0.
+TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8),
+                    0),
+          "iq2": (2, np.array([8, 25, 43, 0, -8, -25, -43, 0], np.int8), 3),
+          "iq3xxs": (3, np.array([4, 12, 20, 28, 36, 44, 52, 62, -4, -12, -20, -28, -36, -44, -52, -62], np.int8), 2),
+          "iq3s": (4, np.array([1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15], np.int8), 0),
+          "iq1": (5, np.array([-7, 1, 9, 0, -9, -1, 7, 0], np.int8), 3)}
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ class QuantCodes:
     group: int
     block: int
     format: str                 # the GGUF type it came from ("q4_k"), for reports
-    table: str | None = None    # 4-bit codes index TABLES[table]'s values
+    table: str | None = None    # 3- or 4-bit codes index TABLES[table]'s values (times its 2^-e)
 
     @property
     def exact_layout(self) -> bool:
@@ -72,22 +82,31 @@ class QuantCodes:
 
     def values(self) -> np.ndarray:
         """[n, k] int32: each code's integer value (through the table where there is one), less the zero point."""
-        v = TABLES[self.table][1][self.codes] if self.table else self.codes
+        v = TABLES[self.table][1][self.codes] if self.table else self.codes  # the table's integers (before 2^-e)
         return v.astype(np.int32) - self.zero
 
+    @property
+    def unit(self) -> np.float32:
+        """2^-e of the table (1 without one): what d is multiplied by once widened to fp32 (exact)."""
+        return np.float32(2.0 ** -TABLES[self.table][2]) if self.table else np.float32(1)
+
     def scales(self, d: np.ndarray, s: np.ndarray | None) -> np.ndarray:
-        """[n, k // group] fp32: d * s, the product gguf-py forms (exact)."""
-        v = np.repeat(d.astype(np.float32), self.block // self.group, axis=1)
+        """[n, k // group] fp32: d (times the table's unit) * s, the product gguf-py forms (exact)."""
+        v = np.repeat(d.astype(np.float32) * self.unit, self.block // self.group, axis=1)
         return v if s is None else v * s.astype(np.float32)
 
-    def bf16(self) -> torch.Tensor:
-        """The plain [n, k] bf16 matrix: the same fp32 operations, then torch's rounding."""
+    def fp32(self) -> np.ndarray:
+        """The plain [n, k] fp32 matrix: gguf-py's dequantized values (exact products; tests check the bits)."""
         n, k = self.codes.shape
         q = self.values().astype(np.float32).reshape(n, k // self.group, self.group)
         v = self.scales(self.d, self.s)[..., None] * q
         if self.d_off is not None:
             v = v + self.scales(self.d_off, self.s_off)[..., None]
-        return torch.from_numpy(v.reshape(n, k)).to(torch.bfloat16)
+        return v.reshape(n, k)
+
+    def bf16(self) -> torch.Tensor:
+        """The plain [n, k] bf16 matrix: the same fp32 operations, then torch's rounding."""
+        return torch.from_numpy(self.fp32()).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ For every type below, `bf16(scale * (value - zero) [+ offset])` computes exactly
 dequantizer computes in fp32 (the same operations on the same values, in the same order: the K-quants'
 scale is the fp32 product d * sc, as gguf-py forms it), so the value is the bf16 the loader stores
 (tests/test_quantized.py checks every type). A code's value is the code, or for IQ4_NL and IQ4_XS the
-entry of llama.cpp's 16-value table kvalues_iq4nl it indexes. The scales stay as the file stores them
+entry of llama.cpp's 16-value table kvalues_iq4nl it indexes (for the IQ1, IQ2 and IQ3 grids, re-coded at
+load by gguf_iq, the entry of their own table, times its power of two). The scales stay as the file stores them
 (fp16 d; 4-, 6- or 8-bit sc widened to int8), so a matrix kept quantized takes about the file's bytes.
-Q2_K, Q3_K, IQ4_NL and IQ4_XS have a layout under the integer-exact contract only (quant_pack); under
-`--weights exact` they are dequantized at load. Other types (the IQ1, IQ2 and IQ3 grids) are dequantized at
-load under every contract.
+Q2_K, Q3_K and the IQ types have a layout under the integer-exact contract only (quant_pack); under
+`--weights exact` they are dequantized at load.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from ..kernels.quant_pack import QuantCodes
+from .gguf_iq import IQ_TYPES
 
 QK_K = 256
 
@@ -156,6 +157,8 @@ TYPES = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_
          "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "IQ4_NL": (32, 18, _iq4_nl),
          "IQ4_XS": (256, 136, _iq4_xs)}
 TABLED = {"IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl"}  # types whose codes index a table (quant_pack.TABLES)
+TYPES.update({t: v[:3] for t, v in IQ_TYPES.items()})  # the IQ1/IQ2/IQ3 grids, re-coded (gguf_iq)
+TABLED.update({t: v[3] for t, v in IQ_TYPES.items()})
 
 
 class QuantFormatError(ValueError):
@@ -164,7 +167,7 @@ class QuantFormatError(ValueError):
 
 def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> QuantCodes | None:
     """A GGUF tensor's rows ([n, row bytes] uint8, as gguf's reader maps them) as codes and scales;
-    None for a type kept in bf16 (F32, F16, BF16, the IQ1, IQ2 and IQ3 types)."""
+    None for a type kept in bf16 (F32, F16, BF16)."""
     if type_name not in TYPES:
         return None
     size, nbytes, extract = TYPES[type_name]

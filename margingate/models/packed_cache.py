@@ -32,7 +32,7 @@ from ..errors import notice
 from ..kernels import packing, quant_pack
 from ..kernels.packing import LAYOUT_VERSION, PackedWeight
 from ..kernels.quant_pack import QuantWeight
-from . import gguf_import, gguf_quant, gguf_tensors, weights
+from . import gguf_import, gguf_iq, gguf_quant, gguf_tensors, weights
 from .gguf_tensors import TensorTables
 from .safetensors_file import DTYPES, read_metadata
 from .weights import WeightsError
@@ -40,7 +40,8 @@ from .weights import WeightsError
 SAMPLES, SAMPLE_BYTES, HEAD_BYTES, ALIGN = 16, 1 << 16, 1 << 20, 64
 MIN_BYTES = 32 << 20  # a smaller file packs in well under a second: not worth a file in the cache
 PRUNE_AFTER_DAYS = 30
-SOURCES = (packing, quant_pack, gguf_quant, gguf_import, gguf_tensors, weights)  # what decides the packed bytes
+# what decides the packed bytes
+SOURCES = (packing, quant_pack, gguf_quant, gguf_iq, gguf_import, gguf_tensors, weights)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Packed = PackedWeight | QuantWeight
 

@@ -41,11 +41,14 @@
 //       scale = amax / 127 (below FLT_MIN: 0). sum16: each 16 q's sum.
 //    b. integer sums are exact: per group g of the part (16 or 32 k) isum_g = sum (code - zero) * q,
 //       a code being its value (2 to 8 bits) or the entry of the part's table it indexes (IQ4_NL,
-//       IQ4_XS: kvalues_iq4nl, quant_codes.h), then per block S = sum_g s_g * isum_g and M = sum_g s_off_g * xsum_g (s absent: 1; xsum_g the
+//       IQ4_XS: kvalues_iq4nl; the IQ1/IQ2/IQ3 grids, re-coded at load as 3- or 4-bit codes into their own
+//       signed tables: quant_codes.h), then per block S = sum_g s_g * isum_g and M = sum_g s_off_g * xsum_g (s absent: 1; xsum_g the
 //       group's q sum), in int32; their order is free. No intermediate saturates (int8_layout.h bounds).
 //    c. one float epilogue per (row, column), blocks ascending, no FMA, each step rounded (fp32, RNE,
 //       FTZ | DAZ): acc = +0; per block: acc = acc + float(S) * (scale * d); where the format has an
 //       offset, then acc = acc + float(M) * (scale * d_off). Then + bias, then one rounding, as in 1.
+//       d is the block's fp16 widened to fp32, times the part's table's power of two (2^-3 for the IQ2
+//       and IQ1 tables, 2^-2 for IQ3_XXS's, else 1): exact, as fp16's range times 2^-3 is normal in fp32.
 //    Vectorized across columns and rows only, never across k; threads split columns and rows. So a
 //    row's outputs are the same bits at any batch size, thread count and ISA, the scalar reference's.
 // 6. the KV cache (paged_kv.cpp): K/V live in blocks of positions; a row reads its keys through its

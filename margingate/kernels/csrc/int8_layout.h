@@ -3,13 +3,16 @@
 // quad, code i = 4 * column + k % 4 (i in 0..63): 4 to 6 bits: low 4 bits in byte i % 32, nibble i / 32
 // (32 bytes); 2 and 3 bits: low 2 bits in bits 2 (i / 16) of byte i % 16 (16 bytes); 8-bit codes: 64
 // signed bytes, byte i. The bits above: 3 and 5 bits: bit i / 8 of byte i % 8 (8 bytes); 6 bits: bits
-// 2 (i / 16) of byte i % 16 (16 bytes). A part with a table (4 bits only) reads code c as table[c], a
-// signed value. Internal linkage (contract.h).
+// 2 (i / 16) of byte i % 16 (16 bytes). A part with a table (3 or 4 bits) reads code c as table[c], a
+// signed value (times the table's power of two, which the epilogue applies to d). Internal linkage (contract.h).
 //
 // The codes' integer values, per GGUF type (value - zero, times the group's s):
 //   Q4_0 [-8, 7]; Q4_1, Q4_K [0, 15]; Q5_0 [-16, 15]; Q5_1, Q5_K [0, 31]; Q6_K [-32, 31]; Q8_0 [-128, 127];
 //   Q2_K [0, 3], s and s_off in [0, 15]; Q3_K [-4, 3] (codes 0..7, zero 4), s in [-32, 31];
 //   IQ4_NL, IQ4_XS: kvalues_iq4nl, [-127, 113]; IQ4_XS's s in [-32, 31]. Q4_K/Q5_K's s, s_off in [0, 63].
+//   The IQ grids re-coded (3- or 4-bit codes into a table, quant_codes.h): IQ2_XXS/XS/S +-{8, 25, 43}, IQ3_XXS
+//   [-62, 62], IQ3_S [-15, 15], s = 2 ls + 1 in [1, 31]; IQ1_S/M {+-1, +-7, +-9}, s in [1, 15]. All within
+//   the table bound (|value| <= 127) and |s| <= 128 below.
 // Saturation bounds (VPMADDUBSW adds two u8 x s8 products into int16, max 32767): unsigned codes of 2,
 // 3, 4, 5 and 6 bits (<= 3, 7, 15, 31, 63) against q in [-127, 127] make a pair of at most 762, 1778,
 // 3810, 7874, 16002; signed codes (8 bits, maybe -128; a table's, |value| <= 127) go in as |code| (<=
@@ -43,8 +46,9 @@ inline int int8_code(const QuantPart& q, int64_t panel, int64_t kp, int64_t k, i
   const int64_t quad = panel * (kp / 4) + k / 4, i = 4 * l + k % 4;
   if (q.bits == 8) return int8_t(q.codes[quad * 64 + i]);
   if (q.bits <= 3) {
-    const int c = (q.codes[quad * 16 + i % 16] >> (2 * (i / 16))) & 3;
-    return q.bits == 3 ? c | ((q.high[quad * 8 + i % 8] >> (i / 8)) & 1) << 2 : c;
+    int c = (q.codes[quad * 16 + i % 16] >> (2 * (i / 16))) & 3;
+    if (q.bits == 3) c |= ((q.high[quad * 8 + i % 8] >> (i / 8)) & 1) << 2;
+    return q.table ? q.table[c] : c;
   }
   int c = (q.codes[quad * 32 + i % 32] >> (4 * (i / 32))) & 15;
   if (q.bits == 5) c |= ((q.high[quad * 8 + i % 8] >> (i / 8)) & 1) << 4;
@@ -80,7 +84,9 @@ inline void by_int8_format(const QuantPart& q, F f) {
   const bool off = q.d_off != nullptr;
   switch (q.bits) {
     case 2: return off ? f(QuantFormat<2, true>{}) : f(QuantFormat<2, false>{});
-    case 3: return off ? f(QuantFormat<3, true>{}) : f(QuantFormat<3, false>{});
+    case 3:
+      if (q.table) return off ? f(QuantFormat<3, true, true>{}) : f(QuantFormat<3, false, true>{});
+      return off ? f(QuantFormat<3, true>{}) : f(QuantFormat<3, false>{});
     case 4:
       if (q.table) return off ? f(QuantFormat<4, true, true>{}) : f(QuantFormat<4, false, true>{});
       return off ? f(QuantFormat<4, true>{}) : f(QuantFormat<4, false>{});

@@ -78,7 +78,8 @@ inline __m512 widen_d(const uint16_t* p) {  // 16 fp16 scales as fp32, exact
 
 template <bool Offset>
 inline BlockScales block_scales512(const QuantPart& q, int64_t at_d) {
-  return {widen_d(q.d + at_d), Offset ? widen_d(q.d_off + at_d) : _mm512_setzero_ps()};
+  const __m512 d = _mm512_mul_ps(widen_d(q.d + at_d), _mm512_set1_ps(q.unit));  // the table's power of two: exact
+  return {d, Offset ? widen_d(q.d_off + at_d) : _mm512_setzero_ps()};
 }
 
 // acc = acc + float(S) * (scale * d) [then + float(M) * (scale * d_off)]: no FMA, each step rounded.

@@ -56,7 +56,8 @@ struct QuantPart {
   int64_t panels, group, block;
   int bits, zero;
   bool int8 = false;      // the integer-exact contract's code order (contract.h, 5), else the bf16 one's
-  const int8_t* table = nullptr;  // 4-bit codes index these 16 values (quant_codes.h), else a code is its value
+  const int8_t* table = nullptr;  // 3- or 4-bit codes index these values (quant_codes.h), else a code is its value
+  float unit = 1.0f;              // the table's power of two: d is widened to fp32, then times unit (exact)
 };
 
 // Rows of x under the integer-exact contract (contract.h, 5), quantized by linear_int8.cpp for one

@@ -93,7 +93,7 @@ void linear_int8_scalar(const Int8Rows& x, const QuantPart& q, int64_t panel, fl
         }
         const int64_t at_d = (panel * blocks + b) * kPanel + l;
         const float scale = x.scale[r * blocks + b];
-        a = a + float(S) * (scale * half(q.d[at_d]));
+        a = a + float(S) * (scale * (half(q.d[at_d]) * q.unit));
         if (q.d_off) a = a + float(M) * (scale * half(q.d_off[at_d]));
       }
       acc[r * ldacc + l] = a;

@@ -49,7 +49,8 @@ template <bool Offset, int R>
 inline void epilogue_block(const QuantPart& q, int64_t at_d, const float* scale, const __m256i (&S)[R][2],
                            const __m256i (&M)[R][2], float* acc, int64_t ldacc) {
   for (int h = 0; h < 2; ++h) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.d + at_d + 8 * h)));
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.d + at_d + 8 * h))),
+                                   _mm256_set1_ps(q.unit));  // the table's power of two: exact
     __m256 doff = d;
     if constexpr (Offset) doff = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.d_off + at_d + 8 * h)));
     for (int r = 0; r < R; ++r) {

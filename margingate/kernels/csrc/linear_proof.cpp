@@ -101,11 +101,14 @@ constexpr Format kFormats[] = {{4, 3, 32, 64, true, true, true, 0},     // Q4_K'
                                {3, 4, 16, 32, true, false, false, 0},    // Q3_K's
                                {4, 0, 32, 32, false, false, false, 1},   // IQ4_NL's
                                {4, 0, 32, 64, true, false, false, 1},    // IQ4_XS's
-                               {4, 0, 16, 32, true, true, true, 1}};     // a table with an offset
-constexpr int kExactFormats = 5, kInt8Formats = 10;
+                               {4, 0, 16, 32, true, true, true, 1},      // a table with an offset
+                               {3, 0, 16, 64, true, false, false, 2},    // IQ2_XS's, IQ2_S's (3 bits, d / 8)
+                               {4, 0, 32, 64, true, false, false, 3}};   // IQ3_XXS's (d / 4)
+constexpr int kExactFormats = 5, kInt8Formats = 12;
 // Case f holds format f's first panel and the next format's rest: k a multiple of both blocks.
-constexpr Case kQuantCases[] = {{1, 40, 64, 8},  {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8}, {33, 24, 64, 8},
-                                {1, 33, 128, 8}, {9, 40, 192, 8}, {1, 48, 64, 8},  {20, 32, 128, 8}, {5, 20, 64, 8}};
+constexpr Case kQuantCases[] = {{1, 40, 64, 8},  {6, 48, 288, 8}, {37, 20, 96, 8}, {200, 17, 64, 8},
+                                {33, 24, 64, 8}, {1, 33, 128, 8}, {9, 40, 192, 8}, {1, 48, 64, 8},
+                                {20, 32, 128, 8}, {5, 20, 64, 8}, {3, 40, 128, 8}, {17, 33, 192, 8}};
 
 // Bytes of a part's codes, high bits, d, s, d_off and s_off (0: none), for np panels, in the bf16 or the
 // int8 contract's layout.

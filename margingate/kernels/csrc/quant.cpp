@@ -38,7 +38,7 @@ int code_at(const QuantPart& q, int64_t panel, int64_t pairs, int64_t pair, int6
 float element(const QuantPart& q, int64_t panel, int64_t kp, int64_t pair, int64_t l, int e) {
   const int64_t j = 2 * pair + e, at_d = (panel * (kp / q.block) + j / q.block) * kPanel + l;
   const int64_t at_s = (panel * (kp / q.group) + j / q.group) * kPanel + l;
-  const float scale = half(q.d[at_d]) * (q.s ? float(q.s[at_s]) : 1.0f);
+  const float scale = half(q.d[at_d]) * q.unit * (q.s ? float(q.s[at_s]) : 1.0f);  // each product exact
   const float v = scale * float(code_at(q, panel, kp / 2, pair, l, e) - q.zero);
   return q.d_off ? v + half(q.d_off[at_d]) * (q.s_off ? float(q.s_off[at_s]) : 1.0f) : v;
 }
@@ -87,7 +87,7 @@ QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t*
   const bool high = bits == 5 || bits == 6 || bits == 3;
   const bool blocks = (group == 16 || group == 32) && block > 0 && block % group == 0 && k % block == 0;
   const bool layout = bits == 4 || bits == 5 || bits == 6 || bits == 8 || (int8 && (bits == 2 || bits == 3));
-  const bool tabled = table == 0 || (int8 && bits == 4 && zero == 0 && code_table(table));  // the int8 contract's
+  const bool tabled = table == 0 || (int8 && (bits == 3 || bits == 4) && zero == 0 && code_table(table));  // int8's
   TORCH_CHECK(panels > 0 && (group == 16 || group == 32) && blocks && layout && tabled && zero >= 0 &&
                   zero < (bits == 8 ? 1 : 1 << bits),
               "quantized weight: part ", i, " has a bad format");
@@ -104,7 +104,7 @@ QuantPart read_part(const uint8_t* base, int64_t size, int64_t k, const int64_t*
   auto at = [&](int a) { return p[5 + a] >= 0 ? base + p[5 + a] : nullptr; };
   return {at(0), at(1), reinterpret_cast<const uint16_t*>(at(2)), reinterpret_cast<const int8_t*>(at(3)),
           reinterpret_cast<const uint16_t*>(at(4)), reinterpret_cast<const int8_t*>(at(5)), panels, group, block,
-          int(bits), int(zero), int8, code_table(table)};
+          int(bits), int(zero), int8, code_table(table), code_unit(table)};
 }
 
 }  // namespace
