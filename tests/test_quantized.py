@@ -122,7 +122,7 @@ def test_rows_that_do_not_fill_panels_are_not_fused_quantized():
 
 
 def test_an_mxfp4_scale_that_fp16_cannot_hold_is_refused_and_a_zero_block_is_kept():
-    """MXFP4's codes are Q5_0's shape (value + 16, zero 16) with d = 2^(e - 128) in fp16: exact for e in
+    """MXFP4's codes index its doubled E2M1 values (IQ4_NL's shape) with d = 2^(e - 128) in fp16: exact for e in
     [104, 143]. Outside, kept quantized it would be another number: refused by name. A block of zeros keeps
     its bits whatever its exponent (d 0)."""
     data = random_tensor("MXFP4", 4, 64)
@@ -131,6 +131,21 @@ def test_an_mxfp4_scale_that_fp16_cannot_hold_is_refused_and_a_zero_block_is_kep
         quant_codes(data, "MXFP4")
     data[1, 0], data[1, 1:17] = 3, 0  # e = 3, all codes +0
     assert same_bits(quant_codes(data, "MXFP4").bf16(), loader_bf16(data, "MXFP4"))
+
+
+@pytest.mark.parametrize("type_name", ["MXFP4", "IQ3_S"])
+def test_a_table_of_small_integers_has_an_exact_form_of_plain_codes(type_name):
+    """Under the bf16 contract, which has no table layout, MXFP4 and IQ3_S (values in [-16, 15], no power of two)
+    are held as Q5_0's shape (5-bit codes value + 16): the same values, so the same bf16 matrix; a table that
+    does not fit (IQ2's +-43 / 8) stays as it is (dequantized under that contract)."""
+    data = random_tensor(type_name, 4, 256)
+    codes = quant_codes(data, type_name)
+    plain = codes.exact_form()
+    assert codes.table is not None and not codes.exact_layout
+    assert plain.exact_layout and plain.bits == 5 and plain.zero == 16 and plain.table is None
+    assert np.array_equal(plain.values(), codes.values()) and same_bits(plain.bf16(), loader_bf16(data, type_name))
+    iq2 = quant_codes(random_tensor("IQ2_XXS", 4, 256), "IQ2_XXS")
+    assert iq2.exact_form() is iq2
 
 
 def test_a_scale_that_is_not_finite_is_refused_with_the_tensors_name():

@@ -32,6 +32,7 @@ types at load.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,13 +49,14 @@ CONTRACTS = ("exact", "int8")  # bf16 bits of the dequantized weight | the integ
 # the same values under the same id. IQ4: kvalues_iq4nl. The IQ grids' values with their signs (the IQ types
 # are re-coded at load, models/gguf_iq.py): IQ2_XXS/XS/S +-{8, 25, 43} / 8 (the 1/8 of their d (0.5 + s) / 4);
 # IQ3_XXS +-{4, 12, ..., 62} / 4; IQ3_S +-{1, 3, ..., 15}; IQ1_S/M 8 g +- 1 (grid g in {-1, 0, 1}, delta
-# +-1/8) / 8. Unused entries are 0.
+# +-1/8) / 8. MXFP4: E2M1's values doubled (gguf-py's convention, the scale halved). Unused entries are 0.
 TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8),
                     0),
           "iq2": (2, np.array([8, 25, 43, 0, -8, -25, -43, 0], np.int8), 3),
           "iq3xxs": (3, np.array([4, 12, 20, 28, 36, 44, 52, 62, -4, -12, -20, -28, -36, -44, -52, -62], np.int8), 2),
           "iq3s": (4, np.array([1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15], np.int8), 0),
-          "iq1": (5, np.array([-7, 1, 9, 0, -9, -1, 7, 0], np.int8), 3)}
+          "iq1": (5, np.array([-7, 1, 9, 0, -9, -1, 7, 0], np.int8), 3),
+          "mxfp4": (6, np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8), 0)}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,18 @@ class QuantCodes:
     def exact_layout(self) -> bool:
         """Whether the bf16 contract has a layout for these codes (else only the integer-exact one)."""
         return self.bits in (4, 5, 6, 8) and self.table is None
+
+    def exact_form(self) -> QuantCodes:
+        """These codes in a layout the bf16 contract has, where one holds them exactly: a table whose power of two
+        is 1 and whose values lie in [-16, 15] (MXFP4, IQ3_S) as 5-bit codes value + 16, zero 16 (Q5_0's shape);
+        else these codes as they are."""
+        if self.exact_layout or self.table is None or TABLES[self.table][2] != 0:
+            return self
+        table = TABLES[self.table][1]
+        if table.min() < -16 or table.max() > 15:
+            return self
+        codes = (table[self.codes].astype(np.int16) - self.zero + 16).astype(np.uint8)
+        return dataclasses.replace(self, codes=codes, bits=5, zero=16, table=None)
 
     def values(self) -> np.ndarray:
         """[n, k] int32: each code's integer value (through the table where there is one), less the zero point."""

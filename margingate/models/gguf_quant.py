@@ -130,16 +130,17 @@ def _q6_k(b):
 
 # MXFP4 (gpt-oss's experts): per 32 values an E8M0 exponent byte e and 16 bytes of E2M1 codes; value =
 # MXFP4_VALUES[code] * 2^(e - 128) (gguf-py: the E2M1 values doubled, the scale halved). The doubled values are
-# the integers {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so a block is Q5_0's shape exactly: 5-bit codes
-# value + 16 (zero 16) and d = 2^(e - 128) in fp16, a power of two that fp16 holds exactly for e in
-# [104, 143] (a block of zeros whatever its e). 5.5 bits a weight in memory against the file's 4.25.
+# the integers {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}: the file's 4-bit codes index them as a table (quant_pack
+# TABLES "mxfp4"), IQ4_NL's shape, with d = 2^(e - 128) in fp16, a power of two that fp16 holds exactly for e in
+# [104, 143] (a block of zeros whatever its e): 4.5 bits a weight in memory against the file's 4.25. The bf16
+# contract, which has no table layout, holds them as Q5_0's shape (`QuantCodes.exact_form`: 5.5 bits).
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 def _mxfp4(b):
-    q = (MXFP4_VALUES[_nibbles(b[:, 1:], 16)] + 16).astype(np.uint8)
+    q = _nibbles(b[:, 1:], 16)
     d = np.ldexp(np.float32(1), b[:, 0].astype(np.int32) - 128).astype(np.float32)
-    zero_block = (q == 16).all(axis=1)
+    zero_block = (MXFP4_VALUES[q] == 0).all(axis=1)
     d = np.where(zero_block, np.float32(0), d)
     with np.errstate(over="ignore"):  # a scale past fp16 becomes inf here, and is refused just below
         d16 = d.astype(np.float16)
@@ -147,7 +148,7 @@ def _mxfp4(b):
         bad = int(b[~(d16.astype(np.float32) == d), 0][0])
         raise QuantFormatError(f"MXFP4 block scale 2^{bad - 128} lies outside what fp16 holds exactly "
                                "(2^-24 .. 2^15): this file's experts cannot be kept quantized")
-    return q, d16.reshape(-1, 1), None, None, None, 5, 16, 32, 32
+    return q, d16.reshape(-1, 1), None, None, None, 4, 0, 32, 32
 
 
 # GGUF type name -> (block size, bytes per block, the extraction)
@@ -156,7 +157,7 @@ TYPES = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_
          "MXFP4": (32, 17, _mxfp4),
          "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "IQ4_NL": (32, 18, _iq4_nl),
          "IQ4_XS": (256, 136, _iq4_xs)}
-TABLED = {"IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl"}  # types whose codes index a table (quant_pack.TABLES)
+TABLED = {"IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl", "MXFP4": "mxfp4"}  # types whose codes index a table (quant_pack.TABLES)
 TYPES.update({t: v[:3] for t, v in IQ_TYPES.items()})  # the IQ1/IQ2/IQ3 grids, re-coded (gguf_iq)
 TABLED.update({t: v[3] for t, v in IQ_TYPES.items()})
 

@@ -220,6 +220,12 @@ def check(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> d
     return names
 
 
+def _held(codes, contract: str | None):
+    """A matrix's codes as `contract` holds them: under `exact`, a table it can hold exactly as plain codes (MXFP4,
+    IQ3_S: Q5_0's shape, `QuantCodes.exact_form`)."""
+    return codes.exact_form() if contract == "exact" and codes is not None else codes
+
+
 def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
           source: str = "the given state dict", packed: bool = True) -> ModelWeights:
     """Check `state` against the map, then fuse it into bf16 tensors on `device`, every matrix packed
@@ -245,7 +251,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     def fuse(key: str) -> Matrix:
         parts = [state[n] for n in names[key]]
         if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
-            codes = [p.codes() if isinstance(p, BlockSource) else None for p in parts]
+            codes = [_held(p.codes(), contract) if isinstance(p, BlockSource) else None for p in parts]
             laid_out = all(codes) and (contract == "int8" or all(c.exact_layout for c in codes))  # Q2_K..IQ4: int8
             if contract and _is_matrix(key) and laid_out and panelable(codes):
                 return quant_weight(codes, contract)

@@ -27,18 +27,20 @@ struct QuantFormat {
 // The code tables a part's last header word names (kernels/quant_pack.py, TABLES, and why): 0 none, 1
 // llama.cpp's kvalues_iq4nl (ggml-common.h), the 16 int8 values of IQ4_NL and IQ4_XS (|value| <= 127); 2 to
 // 5 the IQ grids' values with their signs (models/gguf_iq.py): IQ2 +-{8, 25, 43}, IQ3_XXS +-{4, ..., 62},
-// IQ3_S +-{1, ..., 15}, IQ1 8 g +- 1 (|value| <= 62). Code c means table[c] x 2^-e: the power of two
+// IQ3_S +-{1, ..., 15}, IQ1 8 g +- 1 (|value| <= 62); 6 MXFP4's E2M1 values doubled (gguf-py's convention: the
+// scale 2^(e - 128) halved), +-{0, 1, 2, 3, 4, 6, 8, 12}. Code c means table[c] x 2^-e: the power of two
 // (code_unit) multiplies d once it is widened to fp32, exactly (d's fp16 range times 2^-3 stays normal).
-alignas(16) constexpr int8_t kCodeTables[6][16] = {
+alignas(16) constexpr int8_t kCodeTables[7][16] = {
     {},
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
     {8, 25, 43, 0, -8, -25, -43, 0},
     {4, 12, 20, 28, 36, 44, 52, 62, -4, -12, -20, -28, -36, -44, -52, -62},
     {1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15},
-    {-7, 1, 9, 0, -9, -1, 7, 0}};
-constexpr float kCodeUnits[6] = {1.0f, 1.0f, 0.125f, 0.25f, 1.0f, 0.125f};
-inline const int8_t* code_table(int64_t id) { return id >= 1 && id <= 5 ? kCodeTables[id] : nullptr; }
-inline float code_unit(int64_t id) { return id >= 1 && id <= 5 ? kCodeUnits[id] : 1.0f; }
+    {-7, 1, 9, 0, -9, -1, 7, 0},
+    {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}};
+constexpr float kCodeUnits[7] = {1.0f, 1.0f, 0.125f, 0.25f, 1.0f, 0.125f, 1.0f};
+inline const int8_t* code_table(int64_t id) { return id >= 1 && id <= 6 ? kCodeTables[id] : nullptr; }
+inline float code_unit(int64_t id) { return id >= 1 && id <= 6 ? kCodeUnits[id] : 1.0f; }
 
 // f(QuantFormat<bits, has offset>{}) for the part's format: one instantiation per code layout of the bf16
 // contract (4, 5, 6 and 8 bits; the integer-exact contract's are int8_layout.h's by_int8_format).
