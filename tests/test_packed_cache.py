@@ -86,6 +86,29 @@ def test_a_model_mapped_from_the_cache_gives_the_freshly_packed_logits_bit_for_b
     assert torch.equal(want.view(torch.int32), got.view(torch.int32))
 
 
+def _mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose map holds t's bytes (/proc/self/maps), or None for anonymous memory."""
+    at = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= at < hi:
+            return rest[4] if len(rest) > 4 else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
+def test_a_first_load_ends_on_the_cache_files_map_with_no_copy_of_its_own(qtype, files, cache):
+    """The packing load's matrices are moved onto the file it wrote: what a later load maps, not an anonymous
+    copy (nor the spill they went through while the model was built)."""
+    fresh = _load(files[qtype], "int8")
+    [kept] = (cache / "packed").glob("*.safetensors")
+    packed = [m for m in _matrices(fresh) if isinstance(m, (PackedWeight, QuantWeight))]  # F16's embedding: plain
+    assert len(packed) > 4 and {_mapped_file(m.data) for m in packed} == {str(kept)}
+    assert torch.equal(_logits(fresh).view(torch.int32), _logits(_load(files[qtype], "int8")).view(torch.int32))
+
+
 def test_the_key_follows_the_files_bytes_contract_and_layout_not_its_path(files, tmp_path, monkeypatch):
     a = files["Q8_0"][0]
     moved = tmp_path / "elsewhere" / "b.gguf"

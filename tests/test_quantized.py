@@ -69,19 +69,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("type_name", sorted(TYPES))
 def test_every_type_dequantizes_to_the_loaders_bf16_bit_for_bit(type_name):
     """Python's codes and scales, the C++ reference (whole matrix and rows) under each contract that has a
-    layout for the type, and the loader agree. The types the bf16 contract has no layout for are refused
-    there by name (the loader dequantizes them under `--weights exact`)."""
+    layout for the type, and the loader agree. The types the bf16 contract has no layout for (not even as plain
+    codes: `QuantCodes.exact_form`) are refused there by name (the loader dequantizes them under `--weights exact`)."""
     data = random_tensor(type_name, 48, 512, seed=len(type_name))
     want = loader_bf16(data, type_name)
     codes = quant_codes(data, type_name)
     assert codes.format == type_name.lower()
     assert same_bits(codes.bf16(), want)
     rows = torch.tensor([0, 17, 47, 17])
-    for contract in ("exact", "int8") if codes.exact_layout else ("int8",):
+    exact = codes.exact_form().exact_layout  # a table of small integers is held as plain codes (MXFP4, IQ3_S)
+    for contract in ("exact", "int8") if exact else ("int8",):
         w = quant_weight([codes], contract)
         assert same_bits(w.unpack(), want), contract
         assert same_bits(w.rows(rows), want[rows]), contract
-    if not codes.exact_layout:
+    if not exact:
         with pytest.raises(ValueError, match=f"{type_name.lower()} has no layout under the exact contract"):
             quant_weight([codes], "exact")
 
@@ -212,3 +213,29 @@ def test_a_gguf_read_directly_is_not_converted_to_bf16_until_a_peer_needs_it(tmp
         assert llm.environment()["weights"]["qkv"] == "q4_1"  # (bench's peers add the tensors: test_cli)
     finally:
         shutil.rmtree(llm.folder)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
+def test_a_matrix_decoded_and_laid_out_a_run_of_rows_at_a_time_is_the_whole_matrix_laid_out_at_once(
+        type_name, tmp_path, monkeypatch):
+    """A GGUF's matrices are packed CHUNK_ROWS rows at a time (a first load's peak): every field lands in its
+    panels' place, and Q / K rows are un-interleaved per head across run boundaries, so the bytes are those
+    of the matrix decoded whole. A fused q|k of two head counts, runs of 32 rows (a head: 32 rows)."""
+    from margingate.kernels import quant_pack
+    from margingate.models.gguf_quant import GGUFMatrix
+    from margingate.models.gguf_tensors import RawTensor, ggml_types
+
+    k, types = 256, {t.name: t for t in ggml_types().values()}
+    q, kk = random_tensor(type_name, 96, k, seed=1), random_tensor(type_name, 64, k, seed=2)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(q.tobytes() + kk.tobytes())
+    kind = types[type_name].id
+    parts = [GGUFMatrix(RawTensor(path, ("q", [k, 96], kind, 0, q.nbytes), ggml_types()), heads=3),
+             GGUFMatrix(RawTensor(path, ("k", [k, 64], kind, q.nbytes, kk.nbytes), ggml_types()), heads=2)]
+    assert [p.row_unit for p in parts] == [32, 32]
+    for contract in ("int8", "exact") if parts[0].run(0, 32).exact_layout else ("int8",):
+        whole = quant_weight([p.codes() for p in parts], contract)  # one run each: decoded whole, then laid out
+        monkeypatch.setattr(quant_pack, "CHUNK_ROWS", 16)
+        runs = quant_weight(parts, contract)  # 3 + 2 runs of 32 rows, each read from the file on its own
+        monkeypatch.undo()
+        assert torch.equal(runs.data, whole.data) and runs.formats == (type_name.lower(),) * 2

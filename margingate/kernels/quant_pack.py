@@ -33,7 +33,11 @@ types at load.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +61,9 @@ TABLES = {"iq4nl": (1, np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13
           "iq3s": (4, np.array([1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15], np.int8), 0),
           "iq1": (5, np.array([-7, 1, 9, 0, -9, -1, 7, 0], np.int8), 3),
           "mxfp4": (6, np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8), 0)}
+# Rows decoded and laid out at a time: the temporaries of a 128k-row head are those of 2048 rows (a few MB),
+# not several times the head's own size at the peak of a first load.
+CHUNK_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,18 @@ class QuantCodes:
     block: int
     format: str                 # the GGUF type it came from ("q4_k"), for reports
     table: str | None = None    # 3- or 4-bit codes index TABLES[table]'s values (times its 2^-e)
+    row_unit: ClassVar[int] = 1  # a run of its rows may start at any row (RowSource)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def run(self, start: int, stop: int) -> QuantCodes:
+        """Rows [start, stop): views, no copy."""
+        def rows(a):
+            return None if a is None else a[start:stop]
+        return dataclasses.replace(self, codes=self.codes[start:stop], d=self.d[start:stop], s=rows(self.s),
+                                   d_off=rows(self.d_off), s_off=rows(self.s_off))
 
     @property
     def exact_layout(self) -> bool:
@@ -146,42 +165,67 @@ class QuantWeight:
         return PackedWeight(load().dequantize_packed(self.data), self.n, self.k).unpack()
 
 
-def panelable(parts: list[QuantCodes]) -> bool:
+class RowSource(Protocol):
+    """A run of a matrix's rows as codes (QuantCodes itself, or a GGUF's matrix decoded from the file a run at a
+    time: models/weights.BlockSource). A run starts at a multiple of `row_unit` rows (a GGUF's Q and K undo
+    llama.cpp's row interleave per head)."""
+    shape: tuple[int, int]
+    row_unit: int
+
+    def run(self, start: int, stop: int) -> QuantCodes: ...
+
+
+def panelable(parts: list[RowSource]) -> bool:
     """Whether these row runs can be one quantized matrix: every run but the last fills whole panels,
     all share k, and k is a multiple of 32 (the linear's block)."""
-    k = parts[0].codes.shape[1]
-    return k % 32 == 0 and all(p.codes.shape[1] == k for p in parts) and \
-        all(p.codes.shape[0] % PANEL == 0 for p in parts[:-1])
+    k = parts[0].shape[1]
+    return k % 32 == 0 and all(p.shape[1] == k for p in parts) and all(p.shape[0] % PANEL == 0 for p in parts[:-1])
 
 
-def quant_weight(parts: list[QuantCodes], contract: str = "exact") -> QuantWeight:
+def quant_weight(parts: list[RowSource], contract: str = "exact") -> QuantWeight:
     """The runs of rows `parts`, in order, as one quantized matrix (check `panelable` first), for the
     contract `contract`: "exact" (its bf16 values reduced in the bf16 order) or "int8" (int8
-    activations, exact integer sums: csrc/contract.h, 5)."""
+    activations, exact integer sums: csrc/contract.h, 5). Each part is decoded and laid out CHUNK_ROWS rows
+    at a time, straight into the matrix: every field is panel-major, so a run's panels have their own place."""
     if not panelable(parts):
         raise ValueError("quantized rows that do not fill whole panels, or of different widths")
     if contract not in CONTRACTS:
         raise ValueError(f"quantized contract must be one of {', '.join(CONTRACTS)}; got {contract!r}")
-    if contract == "exact" and not all(p.exact_layout for p in parts):
-        types = ", ".join(sorted({p.format for p in parts if not p.exact_layout}))
+    runs = [_runs(p, contract) for p in parts]
+    firsts = [next(r) for r in runs]  # (first row, codes, fields): each part's layout, and its first run
+    if contract == "exact" and not all(c.exact_layout for _, c, _ in firsts):
+        types = ", ".join(sorted({c.format for _, c, _ in firsts if not c.exact_layout}))
         raise ValueError(f"{types} has no layout under the exact contract: dequantize it, or use the int8 one")
-    n, k = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
-    arrays = [_int8_fields(p) if contract == "int8" else _panels(p) for p in parts]
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
     at = _up(8 * (4 + PART_WORDS * len(parts)))
     head = [MAGIC if contract == "exact" else MAGIC_INT8, n, k, len(parts)]
-    for p, fields in zip(parts, arrays):
-        places = []
+    for p, (_, c, fields) in zip(parts, firsts):
+        panels, places = -(-p.shape[0] // PANEL), []
         for a in fields:
             places.append(at if a is not None else -1)
-            at += _up(a.nbytes) if a is not None else 0
-        head += [fields[0].shape[0], p.group, p.block, p.bits, p.zero, *places, TABLES[p.table][0] if p.table else 0]
+            at += _up(a.nbytes // a.shape[0] * panels) if a is not None else 0
+        head += [panels, c.group, c.block, c.bits, c.zero, *places, TABLES[c.table][0] if c.table else 0]
     blob = np.zeros(at, np.uint8)
     blob[:8 * len(head)] = np.array(head, np.int64).view(np.uint8)
-    for i, fields in enumerate(arrays):
-        for place, a in zip(head[4 + PART_WORDS * i + 5:], fields):
-            if a is not None:
-                blob[place:place + a.nbytes] = a.reshape(-1).view(np.uint8)
-    return QuantWeight(torch.from_numpy(blob), n, k, tuple(p.format for p in parts), contract)
+    for i, (first, rest) in enumerate(zip(firsts, runs)):
+        for start, _, fields in itertools.chain([first], rest):
+            for place, a in zip(head[4 + PART_WORDS * i + 5:], fields):
+                if a is not None:
+                    place += start // PANEL * (a.nbytes // a.shape[0])
+                    blob[place:place + a.nbytes] = a.reshape(-1).view(np.uint8)
+    return QuantWeight(torch.from_numpy(blob), n, k, tuple(c.format for _, c, _ in firsts), contract)
+
+
+def _runs(part: RowSource, contract: str) -> Iterator[tuple[int, QuantCodes, list[np.ndarray | None]]]:
+    """Each run of about CHUNK_ROWS rows of `part` (whole panels and whole row units): its first row, its codes
+    and its fields as the contract lays them out."""
+    n, step = part.shape[0], math.lcm(PANEL, part.row_unit)
+    step *= max(1, CHUNK_ROWS // step)
+    for start in range(0, n, step):
+        c = part.run(start, min(start + step, n))
+        if contract == "exact":  # a table it can hold as plain codes (MXFP4, IQ3_S)
+            c = c.exact_form()
+        yield start, c, _int8_fields(c) if contract == "int8" else _panels(c)
 
 
 def _up(v: int) -> int:

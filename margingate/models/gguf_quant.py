@@ -186,23 +186,31 @@ def quant_codes(data: np.ndarray, type_name: str, name: str = "tensor") -> Quant
 
 
 class GGUFMatrix:
-    """A quantized GGUF matrix by its Hugging Face name, read when the model is built (one matrix at a
-    time, so memory holds the repacked model, never a second copy). `heads`: undo llama.cpp's Q/K row
-    interleave for that many heads (gguf_import.unpermute)."""
+    """A quantized GGUF matrix by its Hugging Face name, read when the model is built, a run of rows at a time
+    (quant_pack.quant_weight), so memory holds the repacked model and one run's temporaries, never a second
+    copy. `heads`: undo llama.cpp's Q/K row interleave for that many heads (gguf_import.unpermute): within
+    each head's rows, so a run holds whole heads (`row_unit`)."""
 
     def __init__(self, tensor, heads: int | None = None):
         self.tensor, self.heads = tensor, heads
         self.shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF shapes are reversed: [k, n]
+        self.row_unit = self.shape[0] // heads if heads else 1
 
-    def codes(self) -> QuantCodes:
-        c = quant_codes(self.tensor.data, self.tensor.tensor_type.name, self.tensor.name)
+    def run(self, start: int, stop: int) -> QuantCodes:
+        """Rows [start, stop) (multiples of `row_unit`) as codes, in Hugging Face row order."""
+        c = quant_codes(self.tensor.row_range(start, stop), self.tensor.tensor_type.name, self.tensor.name)
         if self.heads is None:
             return c
+        heads = (stop - start) // self.row_unit
+
         def rows(a):
             return None if a is None else \
-                np.ascontiguousarray(a.reshape(self.heads, -1, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+                np.ascontiguousarray(a.reshape(heads, -1, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
         return dataclasses.replace(c, codes=rows(c.codes), d=rows(c.d), s=rows(c.s), d_off=rows(c.d_off),
                                    s_off=rows(c.s_off))
+
+    def codes(self) -> QuantCodes:
+        return self.run(0, self.shape[0])
 
     def bf16(self):
         return self.codes().bf16()

@@ -109,6 +109,12 @@ class RawTensor:
     def data(self) -> np.ndarray:
         return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.start).reshape(self.rows)
 
+    def row_range(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a matrix ([stop - start, row bytes] uint8), read from the file alone."""
+        width = self.rows[-1]
+        return np.fromfile(self.path, dtype=np.uint8, count=(stop - start) * width,
+                           offset=self.start + start * width).reshape(stop - start, width)
+
     def expert(self, e: int) -> RawTensor:
         """Expert e's matrix of a stacked [experts, rows, k] tensor (GGUF shape [k, rows, experts]), or its bias
         of a stacked [experts, rows] one (gpt-oss)."""

@@ -12,6 +12,12 @@ the header and metadata, and of SAMPLES pieces of 64 KiB spread over it, the las
 that no code change can reuse bytes an older one made. A file rewritten in place with its size and mtime
 kept and changed only between the samples would go unseen: that takes setting its mtime back on purpose.
 
+A first load holds no second copy of the model: each matrix, once made, goes to an unnamed spill file beside
+the cache and the model maps it back from there (its anonymous bytes freed at once), so the load's peak holds
+one matrix being made, not the whole repacked model. `save` copies the spill into the cache file by reads of
+the spill file (no page of its map enters this process) and moves the model's matrices onto the cache file's
+map, so a first load ends with what a later one has: the one shared copy, each page resident once touched.
+
 A write goes to a temporary file renamed into place, so a killed process never leaves half a file. A file
 that does not parse, is not for this key, lacks a matrix or holds one that is not what its entry says is
 named on stderr and rebuilt. Its bytes are not hashed at load: that would read the whole file at each start.
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +87,7 @@ class PackedCache:
         self.tables: TensorTables | None = None
         self.found = self._open()
         self.made: dict[str, Packed] = {}
+        self.spill: Spill | None = None  # the made matrices' bytes, written as they are made
 
     @classmethod
     def for_gguf(cls, parts: list[Path], contract: str, root: Path) -> PackedCache | None:
@@ -101,8 +110,19 @@ class PackedCache:
             return self.found[name]
         made = make()
         if isinstance(made, (PackedWeight, QuantWeight)):
-            self.made[name] = made
+            self.made[name] = made = self._spilled(made)
         return made
+
+    def _spilled(self, m: Packed) -> Packed:
+        """`m` with its data mapped back from the spill file, or `m` itself where no spill can be written (a
+        read-only cache: then nothing is saved either, and the matrix stays in anonymous memory)."""
+        try:
+            if self.spill is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.spill = Spill(self.path.parent)
+            return type(m)(self.spill.put(m.data), *_fields(m)[1:])
+        except OSError:
+            return m
 
     def save(self) -> None:
         """Write the file (what was found and what was made), if this load made anything: atomically, and
@@ -114,11 +134,26 @@ class PackedCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             prune(self.path.parent)
             _write(tmp, {**self.found, **self.made}, {"key": self.key, "sources": json.dumps(self.sources),
-                                                      "tables": json.dumps(self.tables and self.tables.to_json())})
+                                                      "tables": json.dumps(self.tables and self.tables.to_json())},
+                   self.spill)
             os.replace(tmp, self.path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             notice(f"could not keep the packed weights in {self.path} ({exc}); the next load packs them again")
+            return
+        self._remap()
+
+    def _remap(self) -> None:
+        """Move every made matrix onto the cache file's map (Tensor.set_: whoever holds its tensor, an expert set
+        too, reads the same storage, now the file's), then drop the spill. Every process that loads this file
+        maps the same pages."""
+        if self.spill is None:
+            return
+        mapped, _ = _read(self.path, self.key)
+        for name, m in self.made.items():
+            m.data.set_(mapped[name].data)
+        self.spill.close()
+        self.spill = None
 
     def _open(self) -> dict[str, Packed]:
         if not self.path.exists():
@@ -135,7 +170,50 @@ class PackedCache:
         return found
 
 
-def _write(path: Path, matrices: dict[str, Packed], metadata: dict[str, str]) -> None:
+def _fields(m: Packed) -> tuple:
+    return (m.data, m.n, m.k, m.formats, m.contract) if isinstance(m, QuantWeight) else (m.data, m.n, m.k)
+
+
+class Spill:
+    """An unnamed file (gone with the process, however it ends) that takes made matrices one by one: each is
+    written at a page boundary (a map's offset must be one) and mapped back privately, so that its bytes leave
+    anonymous memory."""
+
+    def __init__(self, folder: Path):
+        self.file = tempfile.TemporaryFile(dir=folder)
+        self.at: dict[int, tuple[int, int]] = {}  # a mapped tensor's data_ptr -> (offset, bytes) in the file
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        flat = t.contiguous().reshape(-1)
+        nbytes, at = flat.numel() * flat.element_size(), self.file.seek(0, 2)
+        at += -at % mmap.ALLOCATIONGRANULARITY
+        self.file.seek(at)
+        self.file.write(flat.view(torch.uint8).numpy().data)
+        self.file.flush()
+        if nbytes == 0:
+            return t
+        mapped = mmap.mmap(self.file.fileno(), nbytes, offset=at, access=mmap.ACCESS_COPY)
+        out = torch.frombuffer(mapped, dtype=t.dtype).view(t.shape)
+        self.at[out.data_ptr()] = at, nbytes
+        return out
+
+    def copy(self, t: torch.Tensor, dst) -> bool:
+        """Write `t`'s bytes to `dst` from the file, never through the map (no page of it enters this process);
+        False if `t` is not one of the spill's."""
+        if t.data_ptr() not in self.at:
+            return False
+        at, left = self.at[t.data_ptr()]
+        while left:
+            chunk = os.pread(self.file.fileno(), min(left, 8 << 20), at)
+            dst.write(chunk)
+            at, left = at + len(chunk), left - len(chunk)
+        return True
+
+    def close(self) -> None:
+        self.file.close()  # the maps stay valid while a tensor holds them; set_ has let go of every one
+
+
+def _write(path: Path, matrices: dict[str, Packed], metadata: dict[str, str], spill: Spill | None = None) -> None:
     tensors = {name: m.data for name, m in matrices.items()}
     entries, at = {}, 0
     for name, t in tensors.items():
@@ -150,7 +228,8 @@ def _write(path: Path, matrices: dict[str, Packed], metadata: dict[str, str]) ->
         f.write(len(header).to_bytes(8, "little") + header)
         for name, t in tensors.items():
             f.write(b"\0" * (entries[name]["data_offsets"][0] - (f.tell() - 8 - len(header))))
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if spill is None or not spill.copy(t, f):
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the cache file
 

@@ -84,11 +84,9 @@ class QuantizedAtLoad(BlockSource):
         self.tensor, self.type_name, self.name = tensor, type_name, name
         self.shape = tuple(tensor.shape)
 
-    def blocks(self) -> np.ndarray:
-        return quantize_rows(self.tensor, self.type_name, self.name)
-
-    def codes(self):
-        return quant_codes(self.blocks(), self.type_name, self.name)
+    def run(self, start: int, stop: int):
+        return quant_codes(quantize_rows(self.tensor[start:stop], self.type_name, self.name), self.type_name,
+                           self.name)
 
 
 def quantize_state(state: Checkpoint, config: ModelConfig, quantize: str, contract: str | None = "int8") -> Checkpoint:

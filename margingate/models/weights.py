@@ -27,14 +27,19 @@ class WeightsError(ValueError):
 
 
 class BlockSource(ABC):
-    """A matrix held as GGUF blocks, decoded when the model is built: a GGUF file's
-    (gguf_quant.GGUFMatrix) or a bf16 one quantized at load (quantize.QuantizedAtLoad). `build` keeps
-    it quantized where it can, else uses its dequantized bf16 values."""
+    """A matrix held as GGUF blocks, decoded when the model is built, a run of rows at a time
+    (quant_pack.RowSource): a GGUF file's (gguf_quant.GGUFMatrix) or a bf16 one quantized at load
+    (quantize.QuantizedAtLoad). `build` keeps it quantized where it can, else uses its dequantized bf16 values."""
     shape: tuple[int, int]
+    row_unit: int = 1
 
     @abstractmethod
+    def run(self, start: int, stop: int) -> QuantCodes:
+        """Rows [start, stop) (multiples of `row_unit`) decoded (gguf_quant.quant_codes), in Hugging Face row
+        order."""
+
     def codes(self) -> QuantCodes:
-        """Its blocks decoded (gguf_quant.quant_codes), in Hugging Face row order."""
+        return self.run(0, self.shape[0])
 
     def bf16(self) -> torch.Tensor:
         return self.codes().bf16()
@@ -220,12 +225,6 @@ def check(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> d
     return names
 
 
-def _held(codes, contract: str | None):
-    """A matrix's codes as `contract` holds them: under `exact`, a table it can hold exactly as plain codes (MXFP4,
-    IQ3_S: Q5_0's shape, `QuantCodes.exact_form`)."""
-    return codes.exact_form() if contract == "exact" and codes is not None else codes
-
-
 def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
           source: str = "the given state dict", packed: bool = True) -> ModelWeights:
     """Check `state` against the map, then fuse it into bf16 tensors on `device`, every matrix packed
@@ -250,12 +249,12 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
 
     def fuse(key: str) -> Matrix:
         parts = [state[n] for n in names[key]]
-        if any(isinstance(p, BlockSource) for p in parts):  # a GGUF's, or one quantized at load
-            codes = [_held(p.codes(), contract) if isinstance(p, BlockSource) else None for p in parts]
-            laid_out = all(codes) and (contract == "int8" or all(c.exact_layout for c in codes))  # Q2_K..IQ4: int8
-            if contract and _is_matrix(key) and laid_out and panelable(codes):
-                return quant_weight(codes, contract)
-            parts = [c.bf16() if c is not None else p for c, p in zip(codes, parts)]
+        blocks = all(isinstance(p, BlockSource) for p in parts)  # a GGUF's, or quantized at load
+        if blocks and contract and _is_matrix(key) and panelable(parts):
+            layouts = [p.run(0, p.row_unit) for p in parts]  # one row unit of each: its code layout
+            if contract == "int8" or all(c.exact_form().exact_layout for c in layouts):  # Q2_K..IQ4: int8 only
+                return quant_weight(parts, contract)  # decoded and packed a run of rows at a time
+        parts = [p.bf16() if isinstance(p, BlockSource) else p for p in parts]
         t = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device, torch.bfloat16)
         return pack_(t) if key.rsplit(".", 1)[-1] in PACKED else t
 

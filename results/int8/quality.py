@@ -1,11 +1,13 @@
 """Quality of the integer-exact contract beside llama.cpp's, on the same GGUF file and the same tokens
 (issue 45). Greedy continuations of held-out built-in prompts by `--weights bf16` (the file's bf16
-dequantization), then each path scores exactly those tokens: top-1 agreement with the bf16 greedy
-token (a tie counts as agreement) and the mean NLL of that token. Paths: ours under `--weights auto`
-(int8 activations), `exact` (the bf16 bits, so 100 % and bf16's NLL by construction), and llama.cpp
-on the same file (`make llamacpp-venv`). Writes quality.json and prints a table.
+dequantization; `--reference`: another model's, such as the bf16 model the file was quantized from, so
+that the quantization's own error counts too), then each path scores exactly those tokens: top-1
+agreement with the bf16 greedy token (a tie counts as agreement) and the mean NLL of that token. Paths:
+ours under `--weights auto` (int8 activations), `exact` (the bf16 bits, so 100 % and bf16's NLL by
+construction when there is no `--reference`), and llama.cpp on the same file (`make llamacpp-venv`).
+Writes quality.json and prints a table.
 
-    .venv/bin/python results/int8/quality.py [--model FILE.gguf] [--prompts 12] [--tokens 48]
+    .venv/bin/python results/int8/quality.py [--model FILE.gguf] [--reference MODEL] [--prompts 12] [--tokens 48]
 """
 from __future__ import annotations
 
@@ -62,17 +64,20 @@ def main() -> None:
     from margingate.models.loader import embedded_gguf_path
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--reference", help="whose greedy tokens are scored (--weights bf16); default: --model's")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--out", default=str(HERE / "quality.json"))
     a = p.parse_args()
     gguf = str(embedded_gguf_path(a.model)) if a.model == "smollm2-135m" else a.model
-    pairs = continuations(a.model, held_out(a.prompts), a.tokens)
+    pairs = continuations(a.reference or a.model, held_out(a.prompts), a.tokens)
     table = {"ours --weights auto (int8)": summary(ours(a.model, "auto", pairs)),
              "ours --weights exact": summary(ours(a.model, "exact", pairs)),
              "llama.cpp": summary(llamacpp(gguf, pairs, torch.get_num_threads()))}
-    json.dump({"model": a.model, "gguf": gguf, "paths": table}, open(a.out, "w"), indent=1)
-    print(f"{a.model}: {table['llama.cpp']['tokens']} tokens, greedy by --weights bf16, scored by each path")
+    reference = a.reference or a.model
+    json.dump({"model": a.model, "gguf": gguf, "reference": reference, "paths": table}, open(a.out, "w"), indent=1)
+    print(f"{a.model}: {table['llama.cpp']['tokens']} tokens, greedy by {reference} --weights bf16, scored by each "
+          "path")
     print(f"{'path':<28} {'top-1 agreement':>16} {'mean NLL':>9}")
     for name, s in table.items():
         print(f"{name:<28} {100 * s['agreement']:>15.1f}% {s['mean_nll']:>9.4f}")
