@@ -3,9 +3,11 @@ beside llama.cpp on the same GGUF (Qwen2.5-Coder-0.5B-Instruct, `make models`), 
 thread count, one process at a time. llama.cpp runs with flash attention on and off (the faster counts);
 we run with no context flag (the model's own 32,768 positions, the KV pool's default size).
 
-    .venv/bin/python results/long-context/run.py [--lengths 2000,8000,16000] [--new 32] [--threads 2]
+    flock /tmp/mg-measure.lock .venv/bin/python results/long-context/run.py [--lengths 2000,8000,16000] [--new 32]
+        [--threads 2] [--llamacpp-python .venv-llamacpp/bin/python]
 
-Writes results/long-context/long_context.json, long_context.md and long_context.png.
+Writes results/long-context/long_context.json, long_context.md and long_context.png. Each timed run records the
+machine's load (`uptime`) before and after it: a figure taken while something else ran says so.
 """
 from __future__ import annotations
 
@@ -47,13 +49,23 @@ def ours(llm, ids: list[int], new: int) -> dict:
             "tokens": list(seq.output_ids)}
 
 
-def llamacpp(gguf: str, ids: list[int], new: int, threads: int, flash_attn: bool) -> dict:
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def timed(run, *args) -> dict:
+    """run(*args), with `uptime` before and after."""
+    before = uptime()
+    out = run(*args)
+    return {**out, "uptime_before": before, "uptime_after": uptime()}
+
+
+def llamacpp(python: str, gguf: str, ids: list[int], new: int, threads: int, flash_attn: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"gguf": gguf, "prompt_ids": ids, "new": new, "threads": threads,
                                    "flash_attn": flash_attn}))
-        subprocess.run([str(REPO / ".venv-llamacpp/bin/python"), str(HERE / "llamacpp_long.py"), str(job), str(out)],
-                       check=True)
+        subprocess.run([python, str(HERE / "llamacpp_long.py"), str(job), str(out)], check=True)
         return json.loads(out.read_text())
 
 
@@ -96,6 +108,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--llamacpp-python", default=str(REPO / ".venv-llamacpp/bin/python"))
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from margingate.analysis.outputs import machine_line
@@ -108,13 +121,16 @@ def main() -> None:
     rows = []
     for n in map(int, args.lengths.split(",")):
         ids = prompt_ids(llm.tokenizer, n)
-        o = ours(llm, ids, args.new)
-        on = llamacpp(gguf, ids, args.new, args.threads, True)
-        off = llamacpp(gguf, ids, args.new, args.threads, False)
+        o = timed(ours, llm, ids, args.new)
+        on = timed(llamacpp, args.llamacpp_python, gguf, ids, args.new, args.threads, True)
+        off = timed(llamacpp, args.llamacpp_python, gguf, ids, args.new, args.threads, False)
         rows.append({"length": n, "ours": {**o, **rates(o, n)}, "llamacpp_fa_on": {**on, **rates(on, n)},
                      "llamacpp_fa_off": {**off, **rates(off, n)},
                      "same_first_tokens": o["tokens"][:8] == on["tokens"][:8]})
         print(table(rows[-1:]), flush=True)
+        for name in ("ours", "llamacpp_fa_on", "llamacpp_fa_off"):
+            print(f"  {name}: before {rows[-1][name]['uptime_before']}\n  {'':{len(name)}}  after  "
+                  f"{rows[-1][name]['uptime_after']}", flush=True)
     out = Path(args.out)
     report = {"model": MODEL, "gguf": gguf, "threads": args.threads, "cpu": machine_line(environment_record(llm)),
               "max_model_len": llm.engine.max_len, "kv_pool_blocks": llm.engine.kv.num_blocks, "rows": rows}

@@ -5,104 +5,13 @@
 #include <atomic>
 #include <vector>
 
+#include "attention_chunk.h"
 #include "kernels.h"
 
 namespace mg {
 namespace {
 
 constexpr int64_t kGroupRows = 64;  // rows sharing one widening of each K/V chunk (speed only)
-
-// Scores of one query head (fp32, d values) against n keys (fp32, widened once per group):
-// s[j] = (q . k_j) * scale, each dot product in hsum's order; eight keys go through one hsum_x8
-// (the same pairings).
-void chunk_scores(const float* qf, const float* keys, int64_t n, int64_t d, float scale, float* s) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {  // eight keys' dot products, then their eight tree sums at once
-    __m256 a[8];
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(qf + i);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * d + i), a[u]);
-    }
-    hsum_x8(a, s + j);
-    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(scale)));
-  }
-  for (; j < n; ++j) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(keys + j * d + i), a);
-    s[j] = hsum(a) * scale;
-  }
-}
-
-// The running state of one query row's g heads (online softmax): q widened to fp32, the output
-// accumulators, the running max and denominator. Views into a group's buffer (attend_group).
-struct RowState {
-  float *qf, *acc, *mx, *den;
-};
-
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head (checked in `attention`)
-
-// The largest of s[0, kChunk), NaN ignored (as the scalar max: a NaN score never wins). Max is exact,
-// so the lanes' order changes no value (at most a zero's sign, and exp of either zero is 1).
-inline float chunk_max(const float* s) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < kChunk; j += 8) m = _mm256_max_ps(_mm256_load_ps(s + j), m);  // NaN in s: keeps m
-  alignas(32) float l[8];
-  _mm256_store_ps(l, m);
-  float out = l[0];
-  for (int u = 1; u < 8; ++u) out = std::max(out, l[u]);
-  return out;
-}
-
-// acc[0, 8 NB) = acc * alpha + sum over keys j ascending of p[j] * v_j[0, 8 NB): NB blocks in registers
-// (a compile-time count, so they stay there).
-template <int NB>
-void weigh_blocks(float* acc, const float* p, const float* vc, int64_t cn, int64_t d, __m256 alpha) {
-  __m256 o[NB];
-  for (int b = 0; b < NB; ++b) o[b] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * b), alpha);
-  for (int64_t j = 0; j < cn; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int b = 0; b < NB; ++b) o[b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vc + j * d + 8 * b), o[b]);
-  }
-  for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc + 8 * b, o[b]);
-}
-
-// acc (d values) = acc * alpha + sum over keys j ascending of p[j] * v_j, 64 values at a time.
-void weigh_values(float* acc, const float* p, const float* vc, int64_t cn, int64_t d, float alpha) {
-  using Blocks = void (*)(float*, const float*, const float*, int64_t, int64_t, __m256);
-  static constexpr Blocks kTail[8] = {nullptr, weigh_blocks<1>, weigh_blocks<2>, weigh_blocks<3>,
-                                      weigh_blocks<4>, weigh_blocks<5>, weigh_blocks<6>, weigh_blocks<7>};
-  const __m256 av = _mm256_set1_ps(alpha);
-  int64_t i0 = 0;
-  for (; i0 + 64 <= d; i0 += 64) weigh_blocks<8>(acc + i0, p, vc + i0, cn, d, av);
-  if (i0 < d) kTail[(d - i0) / 8](acc + i0, p, vc + i0, cn, d, av);
-}
-
-// One chunk of cn keys (fp32, widened from the cache once per group) for one row's g heads, a phase
-// at a time over all heads so that their latency-bound steps overlap: the scores, each head's max and
-// exp8 of its shifted scores, the denominators (each head's sum in ascending order: four heads'
-// chains side by side), then the output rescaled by alpha and accumulated over the keys ascending.
-void row_chunk(RowState& r, const float* kc, const float* vc, int64_t cn, int64_t g, int64_t d, float scale) {
-  alignas(32) float s[kMaxGroup][kChunk];
-  float alpha[kMaxGroup];
-  for (int64_t h = 0; h < g; ++h) {
-    chunk_scores(r.qf + h * d, kc, cn, d, scale, s[h]);
-    for (int64_t j = cn; j < kChunk; ++j) s[h][j] = -INFINITY;
-    const float m_new = std::max(r.mx[h], chunk_max(s[h]));
-    alpha[h] = r.mx[h] == -INFINITY ? 0.0f : exp1(r.mx[h] - m_new);
-    r.mx[h] = m_new;
-    for (int64_t j = 0; j < kChunk; j += 8)  // masked keys: exp(-inf) -> 0
-      _mm256_store_ps(&s[h][j], exp8(_mm256_sub_ps(_mm256_load_ps(&s[h][j]), _mm256_set1_ps(m_new))));
-  }
-  for (int64_t h0 = 0; h0 < g; h0 += 4) {
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int64_t hn = std::min<int64_t>(4, g - h0);
-    for (int64_t j = 0; j < cn; ++j)
-      for (int64_t u = 0; u < hn; ++u) sum[u] += s[h0 + u][j];
-    for (int64_t u = 0; u < hn; ++u) r.den[h0 + u] = r.den[h0 + u] * alpha[h0 + u] + sum[u];
-  }
-  for (int64_t h = 0; h < g; ++h) weigh_values(r.acc + h * d, s[h], vc, cn, d, alpha[h]);
-}
 
 // Rows of one KV head that attend over keys [0, len_i) of the same request's cache (kh, vh: where those
 // keys lie). q[i]: row i's g query heads; out[i] likewise.
@@ -195,19 +104,22 @@ template <typename T, typename C>
 void attend_group(const T* const* q, const CacheHead<C>& kh, const CacheHead<C>& vh, const int64_t* len, int64_t rows,
                   int64_t align, int64_t g, int64_t d, float scale, const float* sinks, bool rotate,
                   T* const* out) {
-  const int64_t per_row = 2 * g * d + 2 * g;
+  // every view 64-byte aligned (a vector load that crosses a cache line costs two): a row's q, acc, mx and den,
+  // then the chunk's keys and values
+  const int64_t heads = round_up(g * d, 16), per_row = 2 * heads + 2 * kMaxGroup;
   static thread_local std::vector<float> buf;
-  buf.resize(rows * per_row + 2 * kChunk * d);
-  float* const kf = buf.data() + rows * per_row;
+  buf.resize(rows * per_row + 2 * kChunk * d + 16);
+  float* const base = reinterpret_cast<float*>(round_up(reinterpret_cast<intptr_t>(buf.data()), 64));
+  float* const kf = base + rows * per_row;
   float* const vf = kf + kChunk * d;
   RowState st[kGroupRows];  // rows <= kGroupRows (group_starts): no allocation per task
   int64_t longest = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    float* b = buf.data() + i * per_row;
-    st[i] = {b, b + g * d, b + 2 * g * d, b + 2 * g * d + g};
+    float* b = base + i * per_row;
+    st[i] = {b, b + heads, b + 2 * heads, b + 2 * heads + kMaxGroup};
     for (int64_t e = 0; e < g * d; ++e) st[i].qf[e] = static_cast<float>(q[i][e]), st[i].acc[e] = 0.0f;
     for (int64_t h = 0; h < g && rotate; ++h) rotate_scaled(st[i].qf + h * d, d);  // into the keys' basis
-    for (int64_t h = 0; h < g; ++h) st[i].mx[h] = -INFINITY, st[i].den[h] = 0.0f;
+    for (int64_t h = 0; h < kMaxGroup; ++h) st[i].mx[h] = -INFINITY, st[i].den[h] = 0.0f;
     longest = std::max(longest, len[i]);
   }
   const int64_t first = align > 0 && align % kChunk ? align % kChunk : kChunk;

@@ -141,8 +141,8 @@ inline float hsum(__m256 v) {  // fixed tree: (lo + hi), then pairs, then the la
 }
 
 // hsum of 8 vectors at once, with hsum's pairings exactly (each addition pairs the same two
-// values): out[j] = hsum(f[j]). Used where many sums end together.
-inline void hsum_x8(const __m256* f, float* out) {
+// values): lane j of the result is hsum(f[j]). Used where many sums end together.
+inline __m256 hsum_x8(const __m256* f) {
   __m256 p[4];
   for (int j = 0; j < 4; ++j)  // lo128 + hi128 of f[j] and f[j + 4]
     p[j] = _mm256_add_ps(_mm256_permute2f128_ps(f[j], f[j + 4], 0x20), _mm256_permute2f128_ps(f[j], f[j + 4], 0x31));
@@ -150,9 +150,8 @@ inline void hsum_x8(const __m256* f, float* out) {
   for (int j = 0; j < 2; ++j)  // lanes (0 + 2), (1 + 3)
     t[j] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // lane 0 + lane 1
-                                 _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  _mm256_storeu_ps(out, u);  // f[0..3] in the low half, f[4..7] in the high half
+  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // lane 0 + lane 1
+                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));  // f[0..3] low, f[4..7] high
 }
 
 // exp on 8 lanes: Cody-Waite reduction and a degree-6 polynomial; our own code, so its bits do
