@@ -12,6 +12,6 @@ QW=${3:-$HOME/.cache/margingate/gguf/qwen2.5-coder-0.5b.gguf}
 O=results/roofline
 flock /tmp/mg-measure.lock env PYTHONPATH=$PWD .venv/bin/python scripts/roofline.py \
   --model "$Q4" --model "$Q8" --model "$QW" --out $O/after
-flock /tmp/mg-measure.lock .venv/bin/margingate bench --model "$Q4" --batch-sizes 16 --limit 16 --max-new-tokens 32 \
+MARGINGATE_LLAMACPP_PYTHON=${MARGINGATE_LLAMACPP_PYTHON:-.venv-llamacpp/bin/python} flock /tmp/mg-measure.lock .venv/bin/margingate bench --model "$Q4" --batch-sizes 16 --limit 16 --max-new-tokens 32 \
   --repeats 1 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only --no-pass-profile \
   --out $O/1b-q4_k_m-b16
