@@ -26,6 +26,7 @@ constexpr int64_t kAhead = 4096;  // bytes of codes fetched ahead (speed only): 
 // leave a core's stream well below what the bus gives it (a decode step is this stream).
 template <int Bits, int Group>
 inline void prefetch_group(const uint8_t* codes, const uint8_t* high, int64_t qd) {
+  if constexpr (Bits == 8) return;  // 8-bit codes stream fast enough alone: the fetches slowed Q8_0 (results/roofline)
   const char* c = reinterpret_cast<const char*>(codes + qd * kQuadBytes<Bits>) + kAhead;
   for (int64_t o = 0; o < Group / 4 * kQuadBytes<Bits>; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
   if constexpr (kHighBytes<Bits> > 0) {
