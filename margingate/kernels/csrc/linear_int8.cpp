@@ -12,43 +12,68 @@
 namespace mg {
 namespace {
 
-inline float rne(float v) {  // round to nearest even, set in the instruction (not by MXCSR)
-  return _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+// One block of n values (contract.h, 5a; n a multiple of 16) into q, its scale returned. Eight lanes at a
+// time: every step is elementwise (|v|, the FLT_MIN test, v * r, the rounding set in the instruction, the
+// clamp) or a max, whose order changes nothing, so these are the bits of the contract's scalar statement
+// (tests/test_int8_linear.py holds it in numpy).
+float quantize_block(const float* v, int64_t n, int8_t* q) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), tiny = _mm256_set1_ps(FLT_MIN);
+  __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + j), abs_mask);
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));  // NaN, inf: false
+    amax = _mm256_max_ps(amax, _mm256_and_ps(a, _mm256_cmp_ps(a, tiny, _CMP_GE_OQ)));        // below FLT_MIN: 0
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = 0.0f;
+  for (const float l : lanes) m = l > m ? l : m;
+  const bool all_finite = _mm256_movemask_ps(finite) == 0xff;
+  if (!all_finite || m == 0.0f) {
+    std::memset(q, 0, n);
+    return all_finite ? 0.0f : NAN;
+  }
+  const __m256 r = _mm256_set1_ps(127.0f / m), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    __m256i w[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 x = _mm256_loadu_ps(v + j + 8 * h);
+      const __m256 big = _mm256_cmp_ps(_mm256_and_ps(x, abs_mask), tiny, _CMP_GE_OQ);
+      const __m256 t = _mm256_round_ps(_mm256_mul_ps(x, r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      w[h] = _mm256_cvtps_epi32(_mm256_and_ps(big, _mm256_min_ps(_mm256_max_ps(t, lo), hi)));
+    }
+    const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(w[0], w[1]), 0xD8);  // 16 int16 in order
+    const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), p8);
+  }
+  const float scale = m / 127.0f;
+  return scale < FLT_MIN ? 0.0f : scale;
 }
 
-// One block of n values (contract.h, 5a) into q, its scale returned.
-float quantize_block(const float* v, int64_t n, int8_t* q) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int64_t j = 0; j < n; ++j) {
-    finite = finite && std::isfinite(v[j]);
-    const float a = std::fabs(v[j]);
-    if (a >= FLT_MIN && a > amax) amax = a;
-  }
-  if (!finite || amax == 0.0f) {
-    std::memset(q, 0, n);
-    return finite ? 0.0f : NAN;
-  }
-  const float r = 127.0f / amax;
-  for (int64_t j = 0; j < n; ++j) {
-    const float t = std::fabs(v[j]) < FLT_MIN ? 0.0f : rne(v[j] * r);
-    q[j] = int8_t(t > 127.0f ? 127 : t < -127.0f ? -127 : int(t));
-  }
-  const float scale = amax / 127.0f;
-  return scale < FLT_MIN ? 0.0f : scale;
+inline void widen(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const bf16* src, int64_t n, float* dst) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
 template <typename X>
 void quantize_row(const X* src, int64_t k, int64_t kp, int64_t block, int8_t* q, float* scale, int32_t* sum16) {
-  std::vector<float> v(block);
+  static thread_local std::vector<float> v;
+  v.resize(block);
   for (int64_t b = 0; b < kp / block; ++b) {
-    for (int64_t j = 0; j < block; ++j) v[j] = b * block + j < k ? static_cast<float>(src[b * block + j]) : 0.0f;
+    const int64_t have = std::max<int64_t>(0, std::min(block, k - b * block));  // the rest are k's zero padding
+    widen(src + b * block, have, v.data());
+    std::fill(v.begin() + have, v.end(), 0.0f);
     scale[b] = quantize_block(v.data(), block, q + b * block);
   }
-  for (int64_t g = 0; g < kp / 16; ++g) {
-    int32_t s = 0;
-    for (int64_t j = 0; j < 16; ++j) s += q[16 * g + j];
-    sum16[g] = s;
+  const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1);
+  for (int64_t g = 0; g < kp / 16; ++g) {  // exact: pairs in int16 (|sum| <= 254), then int32
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g));
+    __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(ones8, b), ones16);
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    sum16[g] = _mm_cvtsi128_si32(s);
   }
 }
 

@@ -19,6 +19,21 @@ namespace mg {
 namespace {
 
 constexpr int kRows = 8;  // rows per tile: 8 group sums, 8 block sums (and 8 offset sums) in zmm registers
+constexpr int64_t kAhead = 4096;  // bytes of codes fetched ahead (speed only): one core's stream then nears the bus's
+
+// The codes (and bits above) of the group kAhead bytes of codes ahead of `qd`, toward L1: a thread's panels lie
+// one after another, so past a panel's end this fetches its next one. At B = 1 the hardware prefetchers alone
+// leave a core's stream well below what the bus gives it (a decode step is this stream).
+template <int Bits, int Group>
+inline void prefetch_group(const uint8_t* codes, const uint8_t* high, int64_t qd) {
+  if constexpr (Bits == 8) return;  // 8-bit codes stream fast enough alone: the fetches slowed Q8_0 (results/roofline)
+  const char* c = reinterpret_cast<const char*>(codes + qd * kQuadBytes<Bits>) + kAhead;
+  for (int64_t o = 0; o < Group / 4 * kQuadBytes<Bits>; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  if constexpr (kHighBytes<Bits> > 0) {
+    const char* h = reinterpret_cast<const char*>(high + qd * kHighBytes<Bits>) + kAhead * kHighBytes<Bits> / kQuadBytes<Bits>;
+    for (int64_t o = 0; o < Group / 4 * kHighBytes<Bits>; o += 64) _mm_prefetch(h + o, _MM_HINT_T0);
+  }
+}
 
 // The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
 template <class F, int Group, int R>
@@ -39,28 +54,73 @@ inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, cons
   }
 }
 
-// R rows from r0 against one panel, every block: fold each group into S (and M), then the block's epilogue.
+// Two groups' int8 scales of 16 columns as int16 pairs, lane l = (lo[l], hi[l]) (a null lo or hi: 1; hi_zero:
+// no second group, 0), for VPDPWSSD.
+inline __m512i scale_pairs(const int8_t* lo, const int8_t* hi, bool hi_zero) {
+  const __m512i a = widen_s(lo), b = hi_zero ? _mm512_setzero_si512() : widen_s(hi);
+  return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16));
+}
+
+// A row's q sums of groups g and g + 1 as one int16 pair (each |sum| <= 32 x 127), broadcast.
+template <int Group>
+inline __m512i xsum_pair(const int32_t* s16, bool second) {
+  const int32_t lo = Group == 32 ? s16[0] + s16[1] : s16[0];
+  const int32_t hi = !second ? 0 : Group == 32 ? s16[2] + s16[3] : s16[1];
+  return _mm512_set1_epi32(int32_t(uint32_t(lo) & 0xffff) | int32_t(uint32_t(hi) << 16));
+}
+
+// R rows from r0 against one panel, every block: the block sums S = sum_g s_g (isum_g - zero xsum_g) and M =
+// sum_g s_off_g xsum_g (contract.h, 5b), then the block's epilogue. Integer identities, so the same S and M: S
+// gathers s_g a_g (a the VPDPBUSD sums; no multiply where the part has no s), and the xsum terms, zero x sum_g s_g
+// xsum_g or M, come two groups at a time from one VPDPWSSD per row (int16 pairs: exact, no saturation). The
+// largest true S fits int32 (int8_layout.h), and int32 adds and multiplies wrap exactly, so no order of these
+// steps changes S.
 template <class F, int Group, int R>
 void tile(const Int8Rows& x, int64_t r0, const QuantPart& q, int64_t panel, float* acc, int64_t ldacc) {
   constexpr int Bits = F::kBits;
   constexpr bool Offset = F::kOffset;
   const __m512i table = table512_u8(q);
   const int zero = F::kTable ? q.zero + 128 : q.zero;  // the table's values went in plus 128
-  const int64_t kp = x.kp, groups = q.block / Group, blocks = kp / q.block;
+  const int64_t kp = x.kp, groups = q.block / Group, blocks = kp / q.block, step = groups > 1 ? 2 : 1;
   const uint8_t* codes = q.codes + panel * (kp / 4) * kQuadBytes<Bits>;
   const uint8_t* high = kHighBytes<Bits> ? q.high + panel * (kp / 4) * kHighBytes<Bits> : nullptr;
+  const int8_t* xs_scales = Offset ? q.s_off : q.s;  // the scales of the xsum term
+  const bool xs_term = Offset || zero != 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i S[R], M[R];
+    __m512i S[R], M[R];  // M: sum_g s_off_g xsum_g (Offset), else sum_g s_g xsum_g (zero != 0)
     for (int r = 0; r < R; ++r) S[r] = M[r] = _mm512_setzero_si512();
-    for (int64_t g = b * groups; g < (b + 1) * groups; ++g) {
-      __m512i a[R];
-      group_sums<F, Group, R>(x, r0, codes, high, table, g * (Group / 4), a);
-      const GroupScales gs = group_scales512<Offset>(q, (panel * (kp / Group) + g) * 16);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + g * Group / 16;
-        fold_row<Offset>(gs, a[r], Group == 32 ? s16[0] + s16[1] : s16[0], zero, S[r], M[r]);
+    for (int64_t g = b * groups; g < (b + 1) * groups; g += step) {
+      for (int64_t h = g; h < g + step; ++h) {
+        __m512i a[R];
+        prefetch_group<Bits, Group>(codes, high, h * (Group / 4));
+        group_sums<F, Group, R>(x, r0, codes, high, table, h * (Group / 4), a);
+        const int64_t at_s = (panel * (kp / Group) + h) * 16;
+        if (Offset && zero != 0) {  // no GGUF type has both; the terms as the contract states them
+          const __m512i sub = widen_s(q.s ? q.s + at_s : nullptr);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* s16 = x.sum16 + (r0 + r) * (kp / 16) + h * Group / 16;
+            const int32_t xsum = Group == 32 ? s16[0] + s16[1] : s16[0];
+            a[r] = _mm512_mullo_epi32(_mm512_sub_epi32(a[r], _mm512_set1_epi32(xsum * zero)), sub);
+            S[r] = _mm512_add_epi32(S[r], a[r]);
+          }
+          continue;
+        }
+        if (q.s) {
+          const __m512i sg = widen_s(q.s + at_s);
+          for (int r = 0; r < R; ++r) S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(a[r], sg));
+        } else {
+          for (int r = 0; r < R; ++r) S[r] = _mm512_add_epi32(S[r], a[r]);
+        }
       }
+      if (!xs_term) continue;
+      const int64_t at_s = (panel * (kp / Group) + g) * 16;
+      const __m512i pairs = scale_pairs(xs_scales ? xs_scales + at_s : nullptr,
+                                        xs_scales ? xs_scales + at_s + 16 : nullptr, step == 1);
+      for (int r = 0; r < R; ++r)
+        M[r] = _mm512_dpwssd_epi32(M[r], pairs, xsum_pair<Group>(x.sum16 + (r0 + r) * (kp / 16) + g * Group / 16, step == 2));
     }
+    if (!Offset && zero != 0)
+      for (int r = 0; r < R; ++r) S[r] = _mm512_sub_epi32(S[r], _mm512_mullo_epi32(M[r], _mm512_set1_epi32(zero)));
     const BlockScales bs = block_scales512<Offset>(q, (panel * blocks + b) * 16);
     for (int r = 0; r < R; ++r)
       epilogue_row<Offset>(bs, x.scale[(r0 + r) * blocks + b], S[r], M[r], acc + (r0 + r) * ldacc);
