@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from margingate.kernels import invariant as K
-from margingate.kernels import library, stack
+from margingate.kernels import library
 from margingate.kernels.packing import pack
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33)
@@ -335,35 +335,6 @@ def test_attention_reads_keys_in_position_order_wherever_their_blocks_lie(block,
     for seed in (None, 1, 2):
         kv, tables, _ = cache(length=96, block=block, seed=seed)
         assert torch.equal(K.attention(q, kv, tables, slots, lengths, 0.125, window=window), want), (block, seed)
-
-
-def test_decoder_stack_finds_its_weights_by_name():
-    """The stack's weight order is stated once (STACK_WEIGHTS) and passed to C++, which finds each
-    weight by name: an order missing a name, or naming one twice, is refused by that name."""
-    names = list(stack.STACK_WEIGHTS)
-    for order, message in ((names[1:], "no layer weight named input_layernorm"), (names + ["qkv"], "qkv named twice")):
-        spec = K.ops().StackSpec()
-        spec.names = order
-        with pytest.raises(RuntimeError, match=message):
-            spec.check()
-
-
-def test_a_stack_spec_that_disagrees_with_its_weights_is_refused():
-    """The layer's switches and its tensors must agree: q/k norms the spec would skip, or a spec asking for
-    norms the layer lacks, are named errors, not a silently different forward."""
-    e, w = torch.empty(0, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
-    spec = K.ops().StackSpec()
-    spec.names, spec.windows, spec.experts = list(stack.STACK_WEIGHTS), [0], [stack.dense_set()]
-    spec.heads, spec.kv_heads, spec.intermediate = 2, 1, 16
-    with_qk = {"q_norm": w, "k_norm": w}
-    spec.weights = [with_qk.get(name, e) for name in stack.STACK_WEIGHTS]
-    with pytest.raises(RuntimeError, match="has q/k norms its spec does not use"):
-        spec.check()
-    spec.qk_norm = True
-    spec.check()
-    spec.sandwich_norms = True
-    with pytest.raises(RuntimeError, match="lacks its feed-forward norms"):
-        spec.check()
 
 
 # --- norms and activation --------------------------------------------------------------------

@@ -25,6 +25,7 @@ def run(llm, prompts, temperature, monkeypatch):
     return gaps, rate, [c.token_ids for c in out]
 
 
+@pytest.mark.slow  # about 9 s on 2 cores
 def test_trigger_rate_in_logit_units_at_every_temperature(llm, prompts, monkeypatch):
     chosen = prompts[:6]
     tau = llm.policy("margin").tau

@@ -46,6 +46,7 @@ def table(tmp_path_factory):
     return out, started, json.loads((out / "paper.json").read_text())
 
 
+@pytest.mark.slow  # the table's run: about 20 s on 2 cores
 def test_every_deterministic_policy_gives_one_digest(table):
     _, _, rep = table
     shape = rep["shapes"]["toy-1"]
@@ -57,6 +58,7 @@ def test_every_deterministic_policy_gives_one_digest(table):
     assert len(timed) == 1, f"the timed runs of deterministic policies disagree: {timed}"
 
 
+@pytest.mark.slow
 def test_tau_is_fitted_on_prompts_that_are_neither_checked_nor_timed(table):
     _, _, rep = table
     shape = rep["shapes"]["toy-1"]
@@ -68,6 +70,7 @@ def test_tau_is_fitted_on_prompts_that_are_neither_checked_nor_timed(table):
     assert shape["tau"]["qualified"] and "fallback" not in json.dumps(shape["tau"])
 
 
+@pytest.mark.slow
 def test_the_protocol_times_apart_and_repeats(table):
     _, _, rep = table
     for p, row in rep["shapes"]["toy-1"]["bench"]["B2"]["policies"].items():
@@ -76,6 +79,7 @@ def test_the_protocol_times_apart_and_repeats(table):
         assert row["decode_ms_per_step"]["min"] <= row["decode_ms_per_step"]["median"], p
 
 
+@pytest.mark.slow
 def test_every_output_file_is_this_runs(table):
     out, started, rep = table
     files = sorted(p.name for p in out.iterdir())
