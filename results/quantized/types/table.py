@@ -21,8 +21,14 @@ TYPES = {
     "Q5_K": ("kept", "kept", "5.625 (5.5)", None), "Q6_K": ("kept", "kept", "6.5625 (6.5625)", "q6_k"),
     "Q2_K": ("kept", "bf16", "3.125 (2.625)", "q2_k"), "Q3_K": ("kept", "bf16", "3.5625 (3.4375)", "q3_k_m"),
     "IQ4_NL": ("kept", "bf16", "4.5 (4.5)", "iq4_nl"), "IQ4_XS": ("kept", "bf16", "4.3125 (4.25)", "iq4_xs"),
-    "MXFP4": ("kept (Q5_0-shaped)", "kept (Q5_0-shaped)", "5.5 (4.25)", None),
-    "IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S": ("bf16", "bf16", "16", None),
+    "MXFP4": ("kept (table)", "kept (Q5_0-shaped)", "4.5 (4.25); exact 5.5", None),
+    "IQ3_XXS": ("kept (re-coded)", "bf16", "4.3125 (3.0625)", "iq3_xxs"),
+    "IQ3_S": ("kept (re-coded)", "kept (Q5_0-shaped)", "4.3125 (3.4375)", None),
+    "IQ2_XXS": ("kept (re-coded)", "bf16", "3.3125 (2.0625)", "iq2_xxs"),
+    "IQ2_XS": ("kept (re-coded)", "bf16", "3.5625 (2.3125)", None),
+    "IQ2_S": ("kept (re-coded)", "bf16", "3.5625 (2.5625)", None),
+    "IQ1_S": ("kept (re-coded)", "bf16", "3.3125 (1.5625)", None),
+    "IQ1_M": ("kept (re-coded)", "bf16", "3.5625 (1.75)", None),
 }
 POLICY, PEER = "batch-invariant", "llama.cpp"
 
