@@ -132,6 +132,7 @@ def main() -> None:
             print(f"  {name}: before {rows[-1][name]['uptime_before']}\n  {'':{len(name)}}  after  "
                   f"{rows[-1][name]['uptime_after']}", flush=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     report = {"model": MODEL, "gguf": gguf, "threads": args.threads, "cpu": machine_line(environment_record(llm)),
               "max_model_len": llm.engine.max_len, "kv_pool_blocks": llm.engine.kv.num_blocks, "rows": rows}
     (out / "long_context.json").write_text(json.dumps(report, indent=1))
