@@ -15,7 +15,7 @@ M=$MARGINGATE_CACHE/random-gpt-oss-20b-w
 BF16=$(.venv/bin/python -c "from margingate.models.gguf_export import bf16_gguf; print(bf16_gguf('$M'))")
 Q=$MARGINGATE_CACHE/random-gpt-oss-20b-w.mxfp4_moe.gguf
 [ -f "$Q" ] || .venv-llamacpp/bin/python scripts/quantize_gguf.py "$BF16" "$Q" mxfp4_moe
-ARGS=(--repeats 1 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only --no-pass-profile
+ARGS=(--repeats 3 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only --no-pass-profile
       --max-new-tokens 32)
 uptime
 flock /tmp/mg-measure.lock .venv/bin/margingate bench --model "$Q" --batch-sizes 1 --limit 4 "${ARGS[@]}" --out $O/b1
