@@ -109,6 +109,27 @@ def test_a_first_load_ends_on_the_cache_files_map_with_no_copy_of_its_own(qtype,
     assert torch.equal(_logits(fresh).view(torch.int32), _logits(_load(files[qtype], "int8")).view(torch.int32))
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_huge_weights_memory_reads_the_streamed_matrices_into_own_memory_with_the_same_bits(
+        files, cache, monkeypatch):
+    """MARGINGATE_WEIGHTS_MEMORY=huge: a later load's matrices (the embedding aside) are in anonymous memory,
+    2 MiB aligned as one buffer, each byte the file's; the logits bit for bit those of the mapped load."""
+    mapped = _load(files["Q8_0"], "int8")
+    [kept] = (cache / "packed").glob("*.safetensors")
+    monkeypatch.setenv("MARGINGATE_WEIGHTS_MEMORY", "huge")
+    own = _load(files["Q8_0"], "int8")
+    streamed = [m for L in own.own_weights.layers for m in L.matrices()] + [own.own_weights.lm_head]
+    assert {_mapped_file(m.data) for m in streamed} == {None}
+    assert min(m.data.data_ptr() for m in streamed) % (2 << 20) == 0
+    assert _mapped_file(own.own_weights.embed.data) == str(kept)
+    for a, b in zip(_matrices(mapped), _matrices(own), strict=True):
+        assert torch.equal(a.data, b.data)
+    assert torch.equal(_logits(mapped).view(torch.int32), _logits(own).view(torch.int32))
+    monkeypatch.setenv("MARGINGATE_WEIGHTS_MEMORY", "hug")
+    with pytest.raises(ValueError, match="MARGINGATE_WEIGHTS_MEMORY='hug'.*mapped, huge"):
+        _load(files["Q8_0"], "int8")
+
+
 def test_the_key_follows_the_files_bytes_contract_and_layout_not_its_path(files, tmp_path, monkeypatch):
     a = files["Q8_0"][0]
     moved = tmp_path / "elsewhere" / "b.gguf"

@@ -40,7 +40,7 @@ from ..errors import notice
 from ..kernels import packing, quant_pack
 from ..kernels.packing import LAYOUT_VERSION, PackedWeight
 from ..kernels.quant_pack import QuantWeight
-from . import gguf_import, gguf_iq, gguf_quant, gguf_tensors, weights
+from . import gguf_import, gguf_iq, gguf_quant, gguf_tensors, weights, weights_memory
 from .gguf_tensors import TensorTables
 from .safetensors_file import DTYPES, read_metadata
 from .weights import WeightsError
@@ -248,8 +248,9 @@ def _read(path: Path, key: str) -> tuple[dict[str, Packed], TensorTables | None]
         raise ValueError(f"it was written for key {meta.get('key')!r}, not {key!r}")
     tables = json.loads(meta.get("tables", "null"))
     tables = TensorTables.from_json(tables) if tables else None
-    tensors, out = mmap_safetensors(path), {}
-    for name, kind in json.loads(meta["matrices"]).items():
+    kinds = json.loads(meta["matrices"])
+    tensors, out = mmap_safetensors(path, private=weights_memory.private_matrices(kinds)), {}
+    for name, kind in kinds.items():
         data = tensors[name]
         if kind["kind"] == "quant":
             m = QuantWeight(data, kind["n"], kind["k"], tuple(kind["formats"]), kind["contract"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -20,22 +22,54 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 MAX_HEADER = 100 << 20  # the format's own bound on the header (safetensors refuses larger ones too)
+ALIGN, HUGE_PAGE = 64, 2 << 20
 
 
-def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def mmap_safetensors(path: Path, private: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file as views of a private (copy-on-write) memory map: pages
-    are read from the file when touched and stay reclaimable page cache."""
+    are read from the file when touched and stay reclaimable page cache. The tensors named in `private` are
+    read instead into this process's own memory, one anonymous buffer in which huge pages are asked for
+    (weights_memory.py says when and why)."""
     with open(path, "rb") as f:
         size, length, header = _header(f, path)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    base, out = 8 + length, {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape, (start, end) = _entry(name, meta, path, size - base)
-        flat = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start) \
-            if end > start else torch.empty(0, dtype=dtype)
+        base = 8 + length
+        entries = {name: _entry(name, meta, path, size - base) for name, meta in header.items()
+                   if name != "__metadata__"}
+        own = _read_private(f, path, base, {n: e[2] for n, e in entries.items() if n in private and e[2][1] > e[2][0]})
+    out = {}
+    for name, (dtype, shape, (start, end)) in entries.items():
+        if name in own:
+            flat = own[name].view(dtype)
+        else:
+            flat = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start) \
+                if end > start else torch.empty(0, dtype=dtype)
         out[name] = flat.view(shape)
+    return out
+
+
+def _read_private(f, path: Path, base: int, spans: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """The byte ranges `spans` of the open file, read into one private anonymous buffer (2 MiB aligned, huge
+    pages asked for), each at a 64-byte boundary of it: {name: uint8 tensor}."""
+    if not spans:
+        return {}
+    at, total = {}, 0
+    for name, (start, end) in spans.items():
+        at[name], total = total, total + -(-(end - start) // ALIGN) * ALIGN
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)  # holds the buffer for as long as any view of it lives
+    skip, view, out = -whole.data_ptr() % HUGE_PAGE, memoryview(buf), {}
+    for name, (start, end) in spans.items():
+        lo = skip + at[name]
+        done = 0
+        while done < end - start:  # a read returns at most about 2 GiB
+            got = os.preadv(f.fileno(), [view[lo + done: lo + end - start]], base + start + done)
+            if got <= 0:
+                raise WeightsError(f"{path}: {name}'s bytes end early (the file changed while it was read)")
+            done += got
+        out[name] = whole[lo: lo + end - start]
     return out
 
 
