@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+          "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
           "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
           "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE",  # gpt-oss's: MXFP4 experts, Q8_0 elsewhere
           # issue 64: types that need no importance matrix (IQ1, IQ2 and IQ3_XXS do: scripts/quantize_iq_gguf.py)

@@ -27,7 +27,8 @@ if [ ! -f "$BF16" ]; then
   [ -f "$M/config.json" ] || $PY scripts/make_random_model.py --size 1b --out "$M"
   BF16=$($PY -c "from margingate.models.gguf_export import bf16_gguf; print(bf16_gguf('$M'))")
 fi
-FILES_B1=${TYPES:-q3_k_m iq4_xs q2_k iq4_nl q4_0 q4_k_m q6_k q8_0}  # one file per type of the table (table.py)
+# one file per type of the table (table.py); MXFP4's figure is gpt-oss's (results/gpt-oss/bench.sh)
+FILES_B1=${TYPES:-q3_k_m iq4_xs q2_k iq4_nl q4_0 q4_1 q5_0 q5_1 q4_k_m q5_k_m q6_k q8_0 iq3_xxs iq3_s iq2_xxs iq2_xs iq2_s iq1_s iq1_m}
 for q in $FILES_B1; do
   [ -f "$F/random-1b.$q.gguf" ] && continue
   case $q in
@@ -35,11 +36,14 @@ for q in $FILES_B1; do
     *) "$MARGINGATE_LLAMACPP_PYTHON" scripts/quantize_gguf.py "$BF16" "$F/random-1b.$q.gguf" $q ;;
   esac
 done
-ARGS=(--repeats 3 --warmup 1 --policies fast,batch-invariant --peers llamacpp --decode-only --no-pass-profile)
+ARGS=(--policies batch-invariant --peers llamacpp --decode-only --no-pass-profile --batch-sizes 1)
 for q in $FILES_B1; do
+  case $q in  # llama.cpp decodes the IQ1/IQ2/IQ3 grids at 1-3 tokens/s here: one shorter run each
+    iq1_* | iq2_* | iq3_*) RUN=(--repeats 1 --warmup 1 --limit 2 --max-new-tokens 16) ;;
+    *) RUN=(--repeats 3 --warmup 1 --limit 4 --max-new-tokens 32) ;;
+  esac
   uptime
-  flock /tmp/mg-measure.lock $MG bench --model "$F/random-1b.$q.gguf" --batch-sizes 1 --limit 4 \
-    --max-new-tokens 32 "${ARGS[@]}" --out $O/1b-$q-b1
+  flock /tmp/mg-measure.lock $MG bench --model "$F/random-1b.$q.gguf" "${RUN[@]}" "${ARGS[@]}" --out $O/1b-$q-b1
   uptime
 done
 uptime

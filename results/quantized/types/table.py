@@ -16,19 +16,19 @@ HERE = Path(__file__).parent
 # type -> (kept under auto, kept under exact, stored bits per weight (the file's), the 1B file that stands for it)
 TYPES = {
     "Q8_0": ("kept", "kept", "8.5 (8.5)", "q8_0"), "Q4_0": ("kept", "kept", "4.5 (4.5)", "q4_0"),
-    "Q4_1": ("kept", "kept", "5 (5)", None), "Q5_0": ("kept", "kept", "5.5 (5.5)", None),
-    "Q5_1": ("kept", "kept", "6 (6)", None), "Q4_K": ("kept", "kept", "4.625 (4.5)", "q4_k_m"),
-    "Q5_K": ("kept", "kept", "5.625 (5.5)", None), "Q6_K": ("kept", "kept", "6.5625 (6.5625)", "q6_k"),
+    "Q4_1": ("kept", "kept", "5 (5)", "q4_1"), "Q5_0": ("kept", "kept", "5.5 (5.5)", "q5_0"),
+    "Q5_1": ("kept", "kept", "6 (6)", "q5_1"), "Q4_K": ("kept", "kept", "4.625 (4.5)", "q4_k_m"),
+    "Q5_K": ("kept", "kept", "5.625 (5.5)", "q5_k_m"), "Q6_K": ("kept", "kept", "6.5625 (6.5625)", "q6_k"),
     "Q2_K": ("kept", "bf16", "3.125 (2.625)", "q2_k"), "Q3_K": ("kept", "bf16", "3.5625 (3.4375)", "q3_k_m"),
     "IQ4_NL": ("kept", "bf16", "4.5 (4.5)", "iq4_nl"), "IQ4_XS": ("kept", "bf16", "4.3125 (4.25)", "iq4_xs"),
     "MXFP4": ("kept (table)", "kept (Q5_0-shaped)", "4.5 (4.25); exact 5.5", None),
     "IQ3_XXS": ("kept (re-coded)", "bf16", "4.3125 (3.0625)", "iq3_xxs"),
-    "IQ3_S": ("kept (re-coded)", "kept (Q5_0-shaped)", "4.3125 (3.4375)", None),
+    "IQ3_S": ("kept (re-coded)", "kept (Q5_0-shaped)", "4.3125 (3.4375)", "iq3_s"),
     "IQ2_XXS": ("kept (re-coded)", "bf16", "3.3125 (2.0625)", "iq2_xxs"),
-    "IQ2_XS": ("kept (re-coded)", "bf16", "3.5625 (2.3125)", None),
-    "IQ2_S": ("kept (re-coded)", "bf16", "3.5625 (2.5625)", None),
-    "IQ1_S": ("kept (re-coded)", "bf16", "3.3125 (1.5625)", None),
-    "IQ1_M": ("kept (re-coded)", "bf16", "3.5625 (1.75)", None),
+    "IQ2_XS": ("kept (re-coded)", "bf16", "3.5625 (2.3125)", "iq2_xs"),
+    "IQ2_S": ("kept (re-coded)", "bf16", "3.5625 (2.5625)", "iq2_s"),
+    "IQ1_S": ("kept (re-coded)", "bf16", "3.3125 (1.5625)", "iq1_s"),
+    "IQ1_M": ("kept (re-coded)", "bf16", "3.5625 (1.75)", "iq1_m"),
 }
 POLICY, PEER = "batch-invariant", "llama.cpp"
 
