@@ -71,6 +71,9 @@ def check_taken_as_a_reload_takes_it(path: Path, tmp_path: Path, monkeypatch) ->
 
     folder, taken = _converted(path, tmp_path, monkeypatch)
     assert (taken / "meta.json").exists(), "the conversion took no snapshot: the class did not skip the reload"
+    assert list(tokenizer_snapshot._HANDED) == [taken / "tokenizer.json"]
+    handed = Tokenizer(folder)  # the conversion's own Rust tokenizer, handed over (tokenizer_snapshot.load)
+    assert not tokenizer_snapshot._HANDED
     reloaded = AutoTokenizer.from_pretrained(str(folder))
     old = Backend.from_str(reloaded.backend_tokenizer.to_str())
     old.no_padding()
@@ -79,12 +82,13 @@ def check_taken_as_a_reload_takes_it(path: Path, tmp_path: Path, monkeypatch) ->
     assert (taken / "tokenizer.json").read_bytes() == (tmp_path / "old.json").read_bytes()
     tokenizer_snapshot.take(reloaded, tmp_path / "old")  # the meta, computed as it always was
     assert (taken / "meta.json").read_bytes() == (tmp_path / "old" / "meta.json").read_bytes()
-    ours = Tokenizer(folder)  # loads the conversion's snapshot: its key is the folder's
-    assert check_same_as_transformers(ours, reloaded) > 100
+    assert check_same_as_transformers(handed, reloaded) > 100
+    read = Tokenizer(folder)  # a later start: the snapshot's file
     for text in [*TEXTS, *ODD]:
         ids = reloaded.encode(text, add_special_tokens=False)
-        assert ours.encode(text) == ids, text
-        assert ours.decode(ids, skip_special_tokens=False) == reloaded.decode(ids, skip_special_tokens=False), text
+        assert handed.encode(text) == read.encode(text) == ids, text
+        assert handed.decode(ids, skip_special_tokens=False) == read.decode(ids, skip_special_tokens=False) \
+            == reloaded.decode(ids, skip_special_tokens=False), text
 
 
 def test_a_gemma_tokenizer_is_snapshot_at_conversion_as_a_reload_takes_it(tmp_path, monkeypatch):
