@@ -23,6 +23,7 @@ SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 MIN_KV, MIN_TENSOR = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8  # the least bytes one entry can take
+_U64 = struct.Struct("<Q")
 
 
 class HeaderError(ValueError):
@@ -55,6 +56,23 @@ class _Cursor:
             return str(self.buf[start:self.at], "utf-8")  # GGUF's strings are UTF-8; readers decode them
         except UnicodeDecodeError as exc:
             raise HeaderError(f"{what} (byte {start:,}) is not UTF-8: {exc.reason}") from None
+
+    def strings(self, n: int, what: str) -> list[str]:
+        """`n` strings in a row (a vocabulary: 262k of them), as `string` reads them, without its cost per call
+        (its messages are formatted up front): a string `string` would refuse goes to it, which raises."""
+        out, buf, size, length = [], self.buf, self.size, _U64.unpack_from
+        for _ in range(n):
+            at = self.at
+            end = at + 8 + length(buf, at)[0] if at + 8 <= size else size + 1
+            if end <= size:
+                try:
+                    out.append(str(buf[at + 8:end], "utf-8"))
+                    self.at = end
+                    continue
+                except UnicodeDecodeError:
+                    pass
+            out.append(self.string(what))
+        return out
 
     def count(self, n: int, least: int, what: str) -> int:
         if n * least > self.size - self.at:
@@ -132,7 +150,7 @@ def _value(c: _Cursor, kind: int, what: str, depth: int):
             c.skip(n * SIZES[item], what)
             return list(struct.unpack_from(f"<{n}{FORMATS[item][1]}", c.buf, start))
         if item == STRING:
-            return [c.string(what) for _ in range(n)]
+            return c.strings(n, what)
         return [_value(c, item, what, depth + 1) for _ in range(n)]
     raise HeaderError(f"{what} has value type {kind}, which GGUF does not define here")
 

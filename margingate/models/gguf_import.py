@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import tokenizer_snapshot
+from . import gguf_merges, tokenizer_snapshot
 from .gguf_names import ARCHS, ROPE_FREQS, GGUFError, arch_of, architecture_key, expert_names, hf_name, unpermute
 from .gguf_tensors import Header, RawTensor, TensorTables, read_headers, tensor_tables
 
@@ -253,19 +253,18 @@ def end_tokens(meta: dict, reader) -> int | list[int]:
 
 def save_tokenizer(gguf_path: Path, out: Path, reader: Header) -> None:
     """transformers' tokenizer from the GGUF metadata (vocabulary, merges, chat template); `reader`:
-    the file's header, already read. Where transformers loads the saved tokenizer.json as it is (a class that
-    does not rebuild it: TokenizersBackend's), the folder's snapshot (tokenizer_snapshot.py) is taken from this
-    tokenizer now, not from a second load; the others (Qwen2's class adds a normalizer) load it at first use."""
-    from transformers import TokenizersBackend
-
-    with _gpt_oss_rope_keys_hidden(reader.meta), metadata_already_read(gguf_path, reader):
+    the file's header, already read. Where a load of the saved folder builds this same tokenizer
+    (tokenizer_snapshot.same_on_reload: a class that loads tokenizer.json as it is, or one proven to rebuild it
+    the same, as Gemma's), the folder's snapshot is taken from this tokenizer now, not from a second build of
+    262k tokens; the others (Qwen2's class adds a normalizer) load the folder at first use."""
+    with _gpt_oss_rope_keys_hidden(reader.meta), metadata_already_read(gguf_path, reader), gguf_merges.derived_fast():
         tok = gguf_tokenizer(gguf_path, reader.meta)
     if not getattr(tok, "chat_template", None):  # transformers reads it for some architectures only
         template = reader.meta.get("tokenizer.chat_template")
         if template is not None:  # none: a base model, prompted as text (tokenizer.py)
             tok.chat_template = template
     tok.save_pretrained(str(out))
-    if type(tok) is TokenizersBackend or "__init__" not in type(tok).__dict__:  # transformers' own test
+    if tokenizer_snapshot.same_on_reload(tok):
         tokenizer_snapshot.take_for(out, tok)
 
 

@@ -19,10 +19,8 @@ CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 
 class Tokenizer:
     def __init__(self, folder: Path):
-        from tokenizers import Tokenizer as Backend
-
         path, self.meta = tokenizer_snapshot.snapshot(Path(folder))
-        self._tok = Backend.from_file(str(path))
+        self._tok = tokenizer_snapshot.load(path)
         self._tok.encode_special_tokens = self.meta["split_special_tokens"]
         self.chat_template: str | dict | None = self.meta["chat_template"]
         self.has_chat_template = bool(self.chat_template)
