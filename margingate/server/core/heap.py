@@ -16,16 +16,10 @@ left in an arena (results/soak/heap-probe: +1.1 % over a soak at 8 MiB, against 
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 from ... import libc
-
-
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none."""
-    return libc.function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
-
+from ...libc import resident_bytes, trim
 
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 8 << 20
@@ -38,29 +32,7 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     return fn is not None and fn(M_MMAP_THRESHOLD, nbytes) == 1
 
 
-def available() -> bool:
-    return _malloc_trim() is not None
-
-
-def resident_bytes() -> int | None:
-    """This process's resident set (Linux: /proc/self/statm), or None."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def trim() -> int | None:
-    """Give every malloc arena's free pages back to the system; the resident bytes that went (0 if none
-    could), or None without glibc."""
-    fn = _malloc_trim()
-    if fn is None:
-        return None
-    before = resident_bytes()
-    fn(0)
-    after = resident_bytes()
-    return max(0, before - after) if before is not None and after is not None else 0
+available = libc.can_trim  # malloc_trim is glibc's
 
 
 class IdleTrim:
