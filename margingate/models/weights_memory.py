@@ -5,10 +5,10 @@
 - `huge`: read at load into this process's own memory, in 2 MiB pages where the kernel gives them (transparent
   huge pages, asked for with MADV_HUGEPAGE). A B = 1 decode step streams every matrix once; over 4 KiB pages of
   a file map that stream takes a page-table walk every 4 KiB and the hardware prefetchers stop at each page's
-  end. On a Zen 4 (2 threads, the 1B Q4_K_M) its step took 20-29 ms against 22-32 ms mapped, the same runs
-  alternating (results/roofline/README.md). What it costs: the read at every start (0.1-0.3 s per GB once huge
-  pages are free; up to 2 s for 650 MB where the kernel must first compact memory to find them), and each process
-  holds its own copy.
+  end. On a Zen 4 (2 threads, the 1B Q4_K_M) its median step was 6 % shorter than mapped, processes alternating
+  (results/roofline/README.md). What it costs: the read at every start (1.2-1.6 s for 650 MB there, most of it
+  the kernel compacting memory into 2 MiB pages; far less where free huge pages wait), and each process holds its
+  own copy. Hence `mapped` by default; a long-running server may choose `huge`.
 
 The bytes, and so every bit computed from them, are the file's either way. The token embedding stays mapped in
 both: a step reads a few of its rows, not the whole matrix.
