@@ -4,7 +4,8 @@ Building a model from a GGUF repacks each quantized matrix into the kernels' pan
 the rest (packing.pack): seconds to a minute at every start. The first load writes each matrix as
 `weights.build` made it into one file, `packed/<file>-<contract>-<key>.safetensors` in the cache; later loads
 map that file and repack nothing. The map is private (copy-on-write, never written): its pages are the
-page cache's, so every process that loads the model shares one copy in memory.
+page cache's, so every process that loads the model shares one copy in memory (unless the environment asks
+for the matrices in the process's own huge pages: weights_memory.py).
 
 The key: the GGUF parts' fingerprint (per part its size, its mtime, and a hash of its first MiB, which holds
 the header and metadata, and of SAMPLES pieces of 64 KiB spread over it, the last one its end), the contract
