@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from margingate.analysis.outputs import uptime
+
 # One start of margingate, in a child process.
 MARGINGATE = """
 import json, sys, time
@@ -66,10 +68,6 @@ def run(python: str, code: str, *args: str) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"a start failed ({python} {args}):\n{done.stderr[-3000:]}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t}
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def median(runs: list[dict], key: str) -> float:

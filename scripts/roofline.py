@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from margingate.analysis.outputs import machine_line
+from margingate.analysis.outputs import machine_line, uptime
 from margingate.analysis.roofline import BANDWIDTH_BYTES, measure
 from margingate.analysis.step_profile import KINDS, decode_roofline
 from margingate.llm import LLM
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def markdown(report: dict) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def rss_mb() -> float | None:
     except (OSError, StopIteration):
         return None
     return int(line.split()[1]) / 1024
+
+
+def uptime() -> str:
+    """The machine's load as `uptime` prints it: each timed run records it before and after, so that a figure
+    taken while something else ran says so."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def machine_line(env: dict) -> str:

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from margingate.analysis.outputs import uptime
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MODEL = "qwen2.5-coder-0.5b"
@@ -47,10 +49,6 @@ def ours(llm, ids: list[int], new: int) -> dict:
         engine.step()
     return {"prefill_s": prefill, "decode_s": time.perf_counter() - t, "decode_steps": new - 2,
             "tokens": list(seq.output_ids)}
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def timed(run, *args) -> dict:

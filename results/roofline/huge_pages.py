@@ -7,7 +7,7 @@ that both see the same machine, round after round.
 
 Each child: `import` + `LLM(model)` timed (a packed-cache hit), the read bandwidth measured
 (analysis/roofline.measure), then `decode_roofline` (what `margingate bench` and scripts/roofline.py report)
-three times. Writes huge_pages.json and huge_pages.md, `uptime` before and after.
+three times. Writes report.json and report.md (analysis/outputs.write_report), `uptime` before and after.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from margingate.analysis.outputs import uptime, write_report
 
 CHILD = """
 import json, sys, time
@@ -34,10 +36,6 @@ smaps = {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/
 print(json.dumps({"start_s": start, "read_gb_s": bw, "floor_ms": runs[0]["floor_ms"],
                   "step_ms": [r["step_ms"] for r in runs], "anon_huge_mb": smaps.get("AnonHugePages", 0) // 1024}))
 """
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def child(model: str, mode: str) -> dict:
@@ -83,10 +81,7 @@ def main() -> None:
             report["runs"].append(child(args.model, mode))
             print(report["runs"][-1], file=sys.stderr)
     report["uptime_after"] = uptime()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "huge_pages.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "huge_pages.md").write_text(table(report))
+    write_report(report, Path(args.out), table)
     print(table(report))
 
 
