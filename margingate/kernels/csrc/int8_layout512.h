@@ -26,17 +26,17 @@ inline __m512i quad_codes512(const uint8_t* c, const uint8_t* h) {
   }
   // Codes 0-31 are the low nibbles of the 32 bytes, 32-63 the high ones: the upper half shifted by 4.
   const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-  __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                                   _mm512_set1_epi8(15));
-  if constexpr (Bits == 5) {  // code i's fifth bit: bit i / 8 of byte i % 8, so qword L shifts by L
+  __m512i codes = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
+  // The bits above 4 rotate into place (each stays in its byte) and join in one ternary-logic op: codes | (H & m).
+  if constexpr (Bits == 5) {  // code i's fifth bit: bit i / 8 of byte i % 8, so qword L rotates bit L to 4
     int64_t w;
     std::memcpy(&w, h, 8);
-    const __m512i H = _mm512_srlv_epi64(_mm512_set1_epi64(w), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
-    codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(H, _mm512_set1_epi8(1)), 4));
-  } else if constexpr (Bits == 6) {  // the top two: bits 2 (i / 16) of byte i % 16, so 128-bit lane L by 2L
-    const __m512i H = _mm512_srlv_epi64(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
-                                        _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0));
-    codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(H, _mm512_set1_epi8(3)), 4));
+    const __m512i H = _mm512_rolv_epi64(_mm512_set1_epi64(w), _mm512_set_epi64(61, 62, 63, 0, 1, 2, 3, 4));
+    codes = _mm512_ternarylogic_epi64(codes, H, _mm512_set1_epi8(0x10), 0xF8);
+  } else if constexpr (Bits == 6) {  // the top two: bits 2 (i / 16) of byte i % 16, so 128-bit lane L rotates them to 4
+    const __m512i H = _mm512_rolv_epi64(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
+                                        _mm512_set_epi64(62, 62, 0, 0, 2, 2, 4, 4));
+    codes = _mm512_ternarylogic_epi64(codes, H, _mm512_set1_epi8(0x30), 0xF8);
   }
   return codes;
 }

@@ -35,13 +35,16 @@ inline void prefetch_group(const uint8_t* codes, const uint8_t* high, int64_t qd
   }
 }
 
-// The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad.
+// The int32 sums of one group (Group k) for R rows from r0: one VPDPBUSD per row and quad. The quads count to a
+// constant so that the compiler unrolls them and keeps a[] in registers (a bound of qd0 + Group / 4 made it spill
+// them, and tiles of 4 to 6 rows ran at half speed).
 template <class F, int Group, int R>
 inline void group_sums(const Int8Rows& x, int64_t r0, const uint8_t* codes, const uint8_t* high, const __m512i& table,
                        int64_t qd0, __m512i (&a)[R]) {
   constexpr int Bits = F::kBits;
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
-  for (int64_t qd = qd0; qd < qd0 + Group / 4; ++qd) {
+  for (int i = 0; i < Group / 4; ++i) {
+    const int64_t qd = qd0 + i;
     __m512i w = quad_codes512<Bits>(codes + qd * kQuadBytes<Bits>, high ? high + qd * kHighBytes<Bits> : nullptr);
     if constexpr (F::kTable) w = _mm512_shuffle_epi8(table, w);  // value + 128, unsigned
     const __m512i u = Bits == 8 ? _mm512_abs_epi8(w) : w;
