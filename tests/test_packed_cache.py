@@ -130,6 +130,30 @@ def test_huge_weights_memory_reads_the_streamed_matrices_into_own_memory_with_th
         _load(files["Q8_0"], "int8")
 
 
+def test_the_cache_file_is_written_in_whole_2_mib_pieces_at_2_mib_offsets(tmp_path, monkeypatch):
+    """WholePieces: the bytes of writes of every size, in order, and each system call but the last covers whole
+    2 MiB pieces from a 2 MiB offset (what lets the page cache hold the file in 2 MiB folios)."""
+    calls, writev = [], os.writev
+
+    def recording(fd, buffers):
+        calls.append((os.lseek(fd, 0, os.SEEK_CUR), sum(len(b) for b in buffers)))
+        return writev(fd, buffers)
+
+    monkeypatch.setattr(packed_cache.os, "writev", recording)
+    rng = torch.Generator().manual_seed(0)
+    sizes = [8, 3 << 20, 64, 1, (9 << 20) + 5, 4096, 17 << 20, 100]
+    parts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=rng).numpy().tobytes() for n in sizes]
+    with open(tmp_path / "f", "wb", buffering=0) as raw:
+        f = packed_cache.WholePieces(raw)
+        for part in parts:
+            f.write(part)
+        assert f.tell() == sum(sizes)
+        f.close()
+    assert (tmp_path / "f").read_bytes() == b"".join(parts)
+    assert len(calls) >= 2 and all(at % (2 << 20) == 0 for at, _ in calls)
+    assert all(n % (2 << 20) == 0 for _, n in calls[:-1])
+
+
 def test_the_key_follows_the_files_bytes_contract_and_layout_not_its_path(files, tmp_path, monkeypatch):
     a = files["Q8_0"][0]
     moved = tmp_path / "elsewhere" / "b.gguf"

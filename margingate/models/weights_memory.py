@@ -2,13 +2,15 @@
 
 - `mapped` (the default): views of the packed cache file's map (packed_cache.py). Every process that loads the
   file shares one copy (the page cache's), a page is resident once touched, and a start maps rather than reads.
+  The cache writes the file in whole 2 MiB pieces (packed_cache.WholePieces), so where the kernel and the
+  filesystem keep it in 2 MiB folios (ext4, xfs on recent kernels) the map takes one TLB entry per 2 MiB.
 - `huge`: read at load into this process's own memory, in 2 MiB pages where the kernel gives them (transparent
-  huge pages, asked for with MADV_HUGEPAGE). A B = 1 decode step streams every matrix once; over 4 KiB pages of
-  a file map that stream takes a page-table walk every 4 KiB and the hardware prefetchers stop at each page's
-  end. On a Zen 4 (2 threads, the 1B Q4_K_M) its median step was 6 % shorter than mapped, processes alternating
-  (results/roofline/README.md). What it costs: the read at every start (1.2-1.6 s for 650 MB there, most of it
-  the kernel compacting memory into 2 MiB pages; far less where free huge pages wait), and each process holds its
-  own copy. Hence `mapped` by default; a long-running server may choose `huge`.
+  huge pages, asked for with MADV_HUGEPAGE), for kernels or filesystems whose page cache keeps 4 KiB pages: a
+  B = 1 decode step streams every matrix once, and over 4 KiB pages that stream takes a page-table walk every
+  4 KiB while the hardware prefetchers stop at each page's end. What it costs: the read at every start (1.2-1.6
+  s for 650 MB on a Zen 4, most of it the kernel compacting memory into 2 MiB pages), and each process holds its
+  own copy. On that Zen 4 (2 threads, the 1B Q4_K_M, processes alternating) the three steps came out within the
+  host's noise of each other (results/roofline/README.md), so `mapped` is the default.
 
 The bytes, and so every bit computed from them, are the file's either way. The token embedding stays mapped in
 both: a step reads a few of its rows, not the whole matrix.
