@@ -56,3 +56,18 @@ def write_report(report: dict, out: Path, markdown: Callable[[dict], str],
     (out / "report.json").write_text(json.dumps(report, indent=indent))
     (out / "report.md").write_text(markdown(report))
     return list(plots(report, out) or []) if plots else []
+
+
+def alternate(report: dict, rounds: int, children: dict[str, Callable[[], dict]], out: Path,
+              markdown: Callable[[dict], str]) -> None:
+    """Round after round, each child once in order (each a fresh process of its own, so that all see the
+    same machine as it drifts): report["runs"] gets their results, then `uptime` after, then write_report."""
+    import sys
+
+    for _ in range(rounds):
+        for run in children.values():
+            report["runs"].append(run())
+            print(report["runs"][-1], file=sys.stderr)
+    report["uptime_after"] = uptime()
+    write_report(report, out, markdown)
+    print(markdown(report))

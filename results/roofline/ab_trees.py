@@ -12,6 +12,7 @@ three times. Writes report.json and report.md (analysis/outputs.write_report), `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from margingate.analysis.outputs import uptime, write_report
+from margingate.analysis.outputs import alternate, uptime
 
 CHILD = """
 import json, sys
@@ -75,13 +76,8 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in args.tree)
     report = {"model": args.model, "cpu": cpu_info("model name"), "trees": trees, "uptime_before": uptime(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "runs": []}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
-            report["runs"].append(child(args.model, name, tree))
-            print(report["runs"][-1], file=sys.stderr)
-    report["uptime_after"] = uptime()
-    write_report(report, Path(args.out), table)
-    print(table(report))
+    alternate(report, args.rounds, {name: functools.partial(child, args.model, name, tree)
+                                    for name, tree in trees.items()}, Path(args.out), table)
 
 
 if __name__ == "__main__":

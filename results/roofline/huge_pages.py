@@ -14,6 +14,7 @@ three times. Writes report.json and report.md (analysis/outputs.write_report), `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from margingate.analysis.outputs import uptime, write_report
+from margingate.analysis.outputs import alternate, uptime
 
 CHILD = """
 import json, sys, time
@@ -103,13 +104,8 @@ def main() -> None:
 
     cache_file = max((cache_root() / "packed").glob(f"{Path(args.model).stem}-*.safetensors"),
                      key=lambda f: f.stat().st_mtime)
-    for _ in range(args.rounds):
-        for mode in MODES:
-            report["runs"].append(child(args.model, mode, cache_file))
-            print(report["runs"][-1], file=sys.stderr)
-    report["uptime_after"] = uptime()
-    write_report(report, Path(args.out), table)
-    print(table(report))
+    alternate(report, args.rounds, {mode: functools.partial(child, args.model, mode, cache_file) for mode in MODES},
+              Path(args.out), table)
 
 
 if __name__ == "__main__":
