@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -62,8 +63,6 @@ def alternate(report: dict, rounds: int, children: dict[str, Callable[[], dict]]
               markdown: Callable[[dict], str]) -> None:
     """Round after round, each child once in order (each a fresh process of its own, so that all see the
     same machine as it drifts): report["runs"] gets their results, then `uptime` after, then write_report."""
-    import sys
-
     for _ in range(rounds):
         for run in children.values():
             report["runs"].append(run())
