@@ -2,7 +2,8 @@
 own (`MARGINGATE_WEIGHTS_MEMORY=huge`, models/weights_memory.py), alternating in fresh processes so that each
 sees the same machine, round after round. Mapped twice: the cache file as the cache writes it (whole 2 MiB
 pieces, packed_cache.WholePieces: the page cache's 2 MiB folios, PMD-mapped) and `mapped-4k`, the same bytes
-copied by `shutil.copyfile` (writes of at most 1 MiB: 4 KiB folios). Each child reports its FilePmdMapped.
+copied by `shutil.copyfile` (sendfile, which fills the page cache in 4 KiB folios here: 0 MB PMD-mapped).
+Each child reports its FilePmdMapped.
 
     flock /tmp/mg-measure.lock env PYTHONPATH=$PWD .venv/bin/python results/roofline/huge_pages.py \\
         --model /tmp/mg-start/random-1b.q4_k_m.gguf [--rounds 4] [--out results/roofline/huge-pages]
